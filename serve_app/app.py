@@ -1,0 +1,36 @@
+"""The deployment graph, bound in one place: ``Ingress -> (Render, PlainDerender, ParserDerender, Engine)``.
+
+``serve_config.yaml`` points at :func:`build_app` (``import_path: serve_app.app:build_app``); Serve
+validates its ``args`` into :class:`~serve_app.config.AppArgs` because of the annotation.
+"""
+
+# No `from __future__ import annotations` here: Serve reads build_app's annotation at run time to
+# validate the YAML args into AppArgs, and a string annotation would hand us a plain dict.
+from typing import Any
+
+from ray.serve import Application
+
+from serve_app.config import AppArgs
+from serve_app.ingress import Ingress
+
+__all__ = ["build_app", "merge_options"]
+
+
+def merge_options(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge user deployment options over a deployment's defaults."""
+    merged = dict(defaults)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_options(merged[key], value)
+        else:
+            merged[key] = value
+    if "autoscaling_config" in overrides and "num_replicas" not in overrides:
+        merged.pop("num_replicas", None)  # Serve rejects both together
+    return merged
+
+
+def build_app(args: AppArgs) -> Application:
+    """Build the application from validated args; the model directory is resolved once, here."""
+    model = args.resolve()
+    ingress_options = merge_options(Ingress.func_or_class.deployment_options(args), args.deployments.ingress)
+    return Ingress.options(**ingress_options).bind(args, model)

@@ -1,0 +1,144 @@
+"""Application configuration: the typed ``args`` of ``serve_config.yaml``.
+
+Field names follow ``vllm serve`` flags (``--tool-call-parser`` -> ``tool_call_parser``) so a config
+can be read next to the command line it replaces. Serve validates ``args`` into :class:`AppArgs`
+because :func:`serve_app.app.build_app` annotates its one parameter with it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["AppArgs", "DeploymentOptions", "EngineArgs", "RequestLimits", "ResolvedModel"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RequestLimits(_Strict):
+    """Bounds applied before any tokenizer or parser work."""
+
+    max_body_bytes: int = Field(
+        32 * 1024 * 1024,
+        gt=0,
+        description="Largest request body accepted, checked while reading, before JSON parsing (413 above).",
+    )
+    max_n_sequences: int = Field(
+        16384, gt=0, description="vLLM's VLLM_MAX_N_SEQUENCES: most choices / generate responses per call."
+    )
+    max_completion_prompts: int = Field(
+        1024, gt=0, description="vLLM's VLLM_MAX_COMPLETION_PROMPTS: most prompts in one completions request."
+    )
+
+
+class EngineArgs(_Strict):
+    """The vLLM engine deployment composed with the CPU tier."""
+
+    enabled: bool = Field(False, description="Run the engine deployment (token ids in, token ids out).")
+    enforce_eager: bool = Field(True, description="vLLM --enforce-eager; much faster start on CPU.")
+    dtype: str = Field("auto", description="vLLM --dtype.")
+    max_num_seqs: int = Field(16, gt=0, description="vLLM --max-num-seqs.")
+    extra_engine_args: dict[str, Any] = Field(default_factory=dict, description="Any other vLLM engine args.")
+
+
+DeploymentOptions = dict[str, Any]
+"""Ray Serve deployment options (num_replicas, autoscaling_config, ray_actor_options, ...).
+
+Passed through untyped: Serve validates them itself, and per-deployment entries under
+``applications[].deployments`` in ``serve_config.yaml`` override them again.
+"""
+
+
+class Deployments(_Strict):
+    ingress: DeploymentOptions = Field(default_factory=dict)
+    render: DeploymentOptions = Field(default_factory=dict)
+    plain_derender: DeploymentOptions = Field(default_factory=dict)
+    parser_derender: DeploymentOptions = Field(default_factory=dict)
+    engine: DeploymentOptions = Field(default_factory=dict)
+
+
+class AppArgs(_Strict):
+    """Everything ``build_app`` needs, validated once at deploy time."""
+
+    model: str = Field(
+        "qwen3-tiny",
+        description="A builtin model name (qwen3-tiny, deepseek-v4, mistral-sp) or a local model directory.",
+    )
+    served_model_name: list[str] | None = Field(
+        None, description="Names clients may send as `model`; the first is reported. Defaults to `model`."
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer directory, if not the model directory.")
+    max_model_len: int | None = Field(
+        None, gt=0, description="Context length; defaults to the model config's max_position_embeddings."
+    )
+    max_logprobs: int = Field(20, ge=-1, description="vLLM --max-logprobs (-1: unbounded).")
+    tool_call_parser: str | None = Field(None, description="vLLM --tool-call-parser, e.g. hermes.")
+    reasoning_parser: str | None = Field(None, description="vLLM --reasoning-parser, e.g. qwen3.")
+    enable_auto_tool_choice: bool = Field(False, description="vLLM --enable-auto-tool-choice.")
+    chat_template: str | None = Field(None, description="vLLM --chat-template: a file path or an inline template.")
+    chat_template_content_format: Literal["auto", "string", "openai"] = Field(
+        "auto", description="vLLM --chat-template-content-format."
+    )
+    default_chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM --default-chat-template-kwargs, e.g. {enable_thinking: false}."
+    )
+    trust_request_chat_template: bool = Field(False, description="vLLM --trust-request-chat-template.")
+    limits: RequestLimits = Field(default_factory=RequestLimits)
+    engine: EngineArgs = Field(default_factory=EngineArgs)
+    deployments: Deployments = Field(default_factory=Deployments)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served_model_name_as_list(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("served_model_name"), str):
+            data = {**data, "served_model_name": [data["served_model_name"]]}
+        return data
+
+    @model_validator(mode="after")
+    def _auto_tool_choice_needs_parser(self) -> AppArgs:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice requires tool_call_parser to be set")
+        return self
+
+    @property
+    def has_parser(self) -> bool:
+        """True when chat derender must go through vLLM's parsers (ParserDerender).
+
+        As in vLLM, the tool parser only exists with ``enable_auto_tool_choice``.
+        """
+        return bool(self.reasoning_parser or (self.tool_call_parser and self.enable_auto_tool_choice))
+
+    def resolve(self) -> ResolvedModel:
+        """Build or locate the model directory and derive what every deployment shares."""
+        from serve_app.models import resolve_model
+
+        model_dir = resolve_model(self.model)
+        config = json.loads((model_dir / "config.json").read_text())
+        max_model_len = self.max_model_len or int(config.get("max_position_embeddings") or 2048)
+        return ResolvedModel(
+            model_dir=str(model_dir),
+            tokenizer_dir=str(resolve_model(self.tokenizer)) if self.tokenizer else str(model_dir),
+            served_model_names=self.served_model_name or [self.model],
+            max_model_len=max_model_len,
+        )
+
+
+class ResolvedModel(_Strict):
+    """The model as every replica sees it, computed once by the builder and bound into each deployment."""
+
+    model_dir: str
+    tokenizer_dir: str
+    served_model_names: list[str]
+    max_model_len: int
+
+    @property
+    def name(self) -> str:
+        return self.served_model_names[0]
+
+    def exists_here(self) -> bool:
+        return Path(self.model_dir, "config.json").is_file()

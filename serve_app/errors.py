@@ -1,0 +1,160 @@
+"""Typed errors and vLLM's error envelope.
+
+Core code raises an :class:`ApiError` subclass; the ingress turns any exception into vLLM 0.32's
+envelope exactly once, at the edge::
+
+    {"error": {"message": str, "type": str, "param": str | null, "code": int}}
+
+The HTTP status always equals ``code``. Messages are sanitised as vLLM does (no file paths,
+tracebacks or memory addresses).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+__all__ = [
+    "ApiError",
+    "BadRequestError",
+    "NotFoundError",
+    "PayloadTooLargeError",
+    "RequestValidationFailed",
+    "ServiceUnavailableError",
+    "envelope",
+    "error_body",
+    "sanitize_message",
+    "validation_error",
+]
+
+
+class ApiError(Exception):
+    """An error with an HTTP status, a vLLM ``type`` string and an optional ``param``."""
+
+    status_code: ClassVar[int] = 500
+    err_type: ClassVar[str] = "InternalServerError"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def __reduce__(self):  # keep ``param`` across Ray's pickling between replicas
+        return (type(self), (self.message, self.param))
+
+
+class BadRequestError(ApiError):
+    status_code = 400
+    err_type = "BadRequestError"
+
+
+class RequestValidationFailed(BadRequestError):
+    """Schema validation failed; vLLM reports these with the HTTP phrase as ``type``."""
+
+    err_type = "Bad Request"
+
+
+class NotFoundError(ApiError):
+    status_code = 404
+    err_type = "NotFoundError"
+
+
+class PayloadTooLargeError(ApiError):
+    status_code = 413
+    err_type = "PayloadTooLargeError"
+
+
+class ServiceUnavailableError(ApiError):
+    status_code = 503
+    err_type = "ServiceUnavailableError"
+
+
+def sanitize_message(message: str) -> str:
+    """Strip memory addresses, tracebacks and file paths, as vLLM's ``sanitize_message`` does."""
+    message = re.sub(r" at 0x[0-9a-fA-F]+>", ">", message)
+    message = re.sub(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?', "", message)
+    message = re.sub(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+", "<path>", message)
+    message = re.sub(r"(?:/[\w\-]+)+/[\w\-]+\.\w+", "<path>", message)
+    return message.strip()
+
+
+def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": sanitize_message(message), "type": err_type, "param": param, "code": code}}
+
+
+def envelope(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """Map any exception to ``(status, vLLM envelope)``.
+
+    Errors raised inside a replica reach the ingress wrapped by Ray (``RayTaskError`` keeps the
+    original as ``cause``); they are unwrapped first so their status survives the hop.
+    """
+    exc = getattr(exc, "cause", None) or exc
+    if isinstance(exc, ApiError):
+        return exc.status_code, error_body(exc.message, exc.err_type, exc.status_code, exc.param)
+    if _is_backpressure(exc):
+        return 503, error_body("Server is overloaded, retry later.", "ServiceUnavailableError", 503)
+    return 500, error_body(f"{type(exc).__name__}: {exc}", "InternalServerError", 500)
+
+
+def _is_backpressure(exc: BaseException) -> bool:
+    return type(exc).__name__ in {"BackPressureError", "DeploymentUnavailableError"}
+
+
+# --- schema validation errors, formatted as vLLM's RequestValidationError handler does -------------
+
+_MAX_REPORTED_ERRORS = 10
+_MAX_ERROR_INPUT_CHARS = 200
+_MAX_ERROR_CHARS = 1000
+_BRACKETED = re.compile(r"[\[\]{}()]")
+_INTERNAL_LOC_MARKERS = frozenset(
+    """function-wrap function-after function-before function-plain json-or-python lax-or-strict chain
+    default nullable tagged-union union call arguments is-instance is-subclass callable str int float
+    bool bytes bytearray list tuple dict set frozenset complex none nonetype""".split()
+)
+
+
+def clean_loc(loc: tuple[Any, ...]) -> str:
+    """``('body', 'function-wrap[...]', 'prompt')`` -> ``"body.prompt"``."""
+    parts = [str(p) for p in loc if not (_BRACKETED.search(str(p)) or str(p).lower() in _INTERNAL_LOC_MARKERS)]
+    return ".".join(parts) if parts else ".".join(str(p) for p in loc)
+
+
+def _summarize_input(value: object) -> object:
+    if isinstance(value, str):
+        return value[:_MAX_ERROR_INPUT_CHARS] + "...[truncated]" if len(value) > _MAX_ERROR_INPUT_CHARS else value
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{type(value).__name__} of {len(value)} bytes>"
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    try:
+        text = str(value)
+    except Exception:  # an int past sys.get_int_max_str_digits(), say
+        return f"<{type(value).__name__}>"
+    return text[:_MAX_ERROR_INPUT_CHARS] + "...[truncated]" if len(text) > _MAX_ERROR_INPUT_CHARS else text
+
+
+def _format_error(err: dict[str, Any]) -> str:
+    err = dict(err)
+    err.pop("url", None)
+    if "input" in err:
+        err["input"] = _summarize_input(err["input"])
+    if isinstance(err.get("loc"), (tuple, list)):
+        err["loc"] = clean_loc(tuple(err["loc"]))
+    if "ctx" in err and isinstance(err["ctx"], dict):
+        err["ctx"] = {k: (str(v) if isinstance(v, Exception) else v) for k, v in err["ctx"].items()}
+    text = str(err)
+    return text[:_MAX_ERROR_CHARS] + "...[truncated]" if len(text) > _MAX_ERROR_CHARS else text
+
+
+def validation_error(errors: list[dict[str, Any]], loc_prefix: tuple[str, ...] = ("body",)) -> BadRequestError:
+    """Build vLLM's 400 for pydantic ``errors()``: ``"N validation error(s):\\n  {...}"``, ``param`` = first loc."""
+    errors = [{**e, "loc": (*loc_prefix, *e.get("loc", ()))} for e in errors]
+    if not errors:
+        return RequestValidationFailed("Validation error")
+    count = len(errors)
+    label = "error" if count == 1 else "errors"
+    message = f"{count} validation {label}:\n" + "".join(f"  {_format_error(e)}\n" for e in errors[:_MAX_REPORTED_ERRORS])
+    if count > _MAX_REPORTED_ERRORS:
+        message += f"  ...and {count - _MAX_REPORTED_ERRORS} more {label}\n"
+    return RequestValidationFailed(message.rstrip(), param=clean_loc(tuple(errors[0]["loc"])) or None)
+

