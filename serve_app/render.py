@@ -1,0 +1,158 @@
+"""``Render``: OpenAI / Anthropic requests -> ``GenerateRequest`` (prompt token ids + sampling params).
+
+The work is vLLM's own: :func:`serve_app._vllm.build_render_state` builds the objects
+``vllm launch render`` serves with, so token ids and sampling params match it for the same model,
+flags and request. What this module adds is the shell: body parsing and validation with vLLM's
+400s, errors raised as typed :class:`~serve_app.errors.ApiError`, JSON bytes out (one copy back
+through Ray), and the fix for vLLM 0.32 dropping ``max_tokens`` when it equals 16.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+
+from serve_app.config import AppArgs, ResolvedModel
+from serve_app.errors import ApiError
+from serve_app.wire import dump_json, parse_json, validate_model
+
+__all__ = ["Render", "RenderService"]
+
+
+class _RawRequest:
+    """The part of a Starlette request vLLM's serving classes read: the ``X-Request-Id`` header."""
+
+    def __init__(self, request_id: str | None) -> None:
+        self.headers = {"X-Request-Id": request_id} if request_id is not None else {}
+
+
+def _raise_error_response(err: Any) -> None:
+    info = err.error
+    raise ApiError(info.message, param=info.param, status_code=int(info.code), err_type=info.type)
+
+
+def _always_emit_max_tokens(generate_request: Any, dumped: dict[str, Any]) -> dict[str, Any]:
+    # vLLM 0.32 serialises SamplingParams with omit_defaults, so max_tokens == 16 (the completions
+    # default) vanishes and /inference/v1/generate then substitutes max_model_len - prompt_len.
+    # Always emitting it keeps the requested budget across the render -> generate hop.
+    params = dumped.get("sampling_params")
+    if isinstance(params, dict) and "max_tokens" not in params:
+        params["max_tokens"] = generate_request.sampling_params.max_tokens
+    return dumped
+
+
+class RenderService:
+    """Ray-free render core over vLLM's ``ServingRender`` and ``ServingTokenization``."""
+
+    def __init__(self, state: Any) -> None:
+        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+        from pydantic import TypeAdapter
+
+        self.state = state
+        self._error_cls = ErrorResponse
+        self._chat = ChatCompletionRequest
+        self._completion = CompletionRequest
+        self._messages = AnthropicMessagesRequest
+        self._responses = ResponsesRequest
+        self._tokenize = TypeAdapter(TokenizeRequest)
+        self._detokenize = DetokenizeRequest
+
+    @classmethod
+    async def create(cls, args: AppArgs, model: ResolvedModel) -> RenderService:
+        from serve_app._vllm import build_render_state
+
+        return cls(await build_render_state(args, model))
+
+    async def _run(self, validator: Any, handler: Any, body: bytes, raw_request: _RawRequest | None) -> Any:
+        """Parse, validate and serve one request; every failure leaves as an :class:`ApiError`."""
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+        try:
+            request = validate_model(validator, parse_json(body))
+            result = await (handler(request) if raw_request is None else handler(request, raw_request))
+        except ApiError:
+            raise
+        except Exception as exc:  # e.g. VLLMValidationError from a request validator: mapped as vLLM maps it
+            _raise_error_response(create_error_response(exc))
+        if isinstance(result, self._error_cls):
+            _raise_error_response(result)
+        return result
+
+    async def chat(self, body: bytes, request_id: str | None = None) -> bytes:
+        out = await self._run(self._chat, self.state.serving_render.render_chat_request, body, _RawRequest(request_id))
+        return dump_json(_always_emit_max_tokens(out, out.model_dump()))
+
+    async def completion(self, body: bytes, request_id: str | None = None) -> bytes:
+        render = self.state.serving_render.render_completion_request
+        out = await self._run(self._completion, render, body, _RawRequest(request_id))
+        return dump_json([_always_emit_max_tokens(item, item.model_dump()) for item in out])
+
+    async def messages(self, body: bytes, request_id: str | None = None) -> bytes:
+        render = self.state.serving_render.render_messages_request
+        out = await self._run(self._messages, render, body, _RawRequest(request_id))
+        return dump_json(_always_emit_max_tokens(out, out.model_dump()))
+
+    async def responses(self, body: bytes, request_id: str | None = None) -> bytes:
+        out = await self._run(self._responses, self.state.serving_render.render_responses_request, body, None)
+        return dump_json(_always_emit_max_tokens(out, out.model_dump()))
+
+    async def tokenize(self, body: bytes, request_id: str | None = None) -> bytes:
+        tokenization = self.state.serving_tokenization
+        out = await self._run(self._tokenize, tokenization.create_tokenize, body, _RawRequest(request_id))
+        return dump_json(out.model_dump())
+
+    async def detokenize(self, body: bytes, request_id: str | None = None) -> bytes:
+        tokenization = self.state.serving_tokenization
+        out = await self._run(self._detokenize, tokenization.create_detokenize, body, _RawRequest(request_id))
+        return dump_json(out.model_dump())
+
+
+ROUTES = {
+    "/v1/chat/completions/render": "chat",
+    "/v1/completions/render": "completion",
+    "/v1/messages/render": "messages",
+    "/v1/responses/render": "responses",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+}
+"""HTTP path -> :class:`RenderService` method; the ingress routes these to the Render deployment."""
+
+
+@serve.deployment(name="Render")
+class Render:
+    """Serve shell over :class:`RenderService`; each method takes the raw JSON body and returns JSON bytes."""
+
+    @staticmethod
+    def deployment_options(args: AppArgs) -> dict[str, Any]:
+        return {
+            "max_ongoing_requests": 32,
+            "ray_actor_options": {"num_cpus": 1},
+            "health_check_period_s": 10,
+        }
+
+    async def __init__(self, args: AppArgs, model: ResolvedModel) -> None:
+        self.service = await RenderService.create(args, model)
+
+    async def chat(self, body: bytes, request_id: str | None = None) -> bytes:
+        return await self.service.chat(body, request_id)
+
+    async def completion(self, body: bytes, request_id: str | None = None) -> bytes:
+        return await self.service.completion(body, request_id)
+
+    async def messages(self, body: bytes, request_id: str | None = None) -> bytes:
+        return await self.service.messages(body, request_id)
+
+    async def responses(self, body: bytes, request_id: str | None = None) -> bytes:
+        return await self.service.responses(body, request_id)
+
+    async def tokenize(self, body: bytes, request_id: str | None = None) -> bytes:
+        return await self.service.tokenize(body, request_id)
+
+    async def detokenize(self, body: bytes, request_id: str | None = None) -> bytes:
+        return await self.service.detokenize(body, request_id)

@@ -1,0 +1,48 @@
+"""JSON in and out at the wire, byte-compatible with vLLM's FastAPI server."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from serve_app.errors import RequestValidationFailed, validation_error
+
+__all__ = ["check_json_content_type", "dump_json", "parse_json", "validate_model"]
+
+
+def dump_json(content: Any) -> bytes:
+    """Exactly Starlette's ``JSONResponse.render``, which vLLM's routes use."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
+
+
+def check_json_content_type(content_type: str | None) -> None:
+    """vLLM's ``validate_json_request``: only ``application/json`` bodies, else a 400."""
+    media_type = (content_type or "").lower().split(";", maxsplit=1)[0].strip()
+    if media_type != "application/json":
+        raise RequestValidationFailed("1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed")
+
+
+def parse_json(body: bytes) -> Any:
+    """Parse a request body; malformed JSON is FastAPI's ``json_invalid`` 400."""
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise validation_error(
+            [{"type": "json_invalid", "loc": (exc.pos,), "msg": "JSON decode error", "input": {}, "ctx": {"error": exc.msg}}]
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise validation_error(
+            [{"type": "json_invalid", "loc": (exc.start,), "msg": "JSON decode error", "input": {}, "ctx": {"error": str(exc)}}]
+        ) from None
+
+
+def validate_model(validator: Any, data: Any) -> Any:
+    """Validate ``data`` with a pydantic model class or ``TypeAdapter``; errors are vLLM's 400."""
+    from pydantic import ValidationError
+
+    try:
+        if hasattr(validator, "validate_python"):
+            return validator.validate_python(data)
+        return validator.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc.errors(include_url=False)) from None
