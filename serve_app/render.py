@@ -69,12 +69,16 @@ class RenderService:
 
         return cls(await build_render_state(args, model))
 
-    async def _run(self, validator: Any, handler: Any, body: bytes, raw_request: _RawRequest | None) -> Any:
-        """Parse, validate and serve one request; every failure leaves as an :class:`ApiError`."""
+    async def _run(self, validator: Any, handler: Any, body: bytes | dict, raw_request: _RawRequest | None) -> Any:
+        """Parse, validate and serve one request; every failure leaves as an :class:`ApiError`.
+
+        ``body`` is the raw JSON body (the HTTP path) or an already-parsed dict (handle callers).
+        """
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
         try:
-            request = validate_model(validator, parse_json(body))
+            data = parse_json(body) if isinstance(body, (bytes, bytearray, str)) else body
+            request = validate_model(validator, data)
             result = await (handler(request) if raw_request is None else handler(request, raw_request))
         except ApiError:
             raise
@@ -126,13 +130,20 @@ ROUTES = {
 
 @serve.deployment(name="Render")
 class Render:
-    """Serve shell over :class:`RenderService`; each method takes the raw JSON body and returns JSON bytes."""
+    """Serve shell over :class:`RenderService`.
+
+    Each method takes the request as raw JSON bytes or a dict and returns the response as the JSON
+    bytes vLLM would send, so the ingress forwards them without re-encoding. By handle::
+
+        render = serve.get_deployment_handle("Render", app_name="serve_app")
+        generate_request = json.loads(await render.chat.remote({"messages": [...]}))
+    """
 
     @staticmethod
     def deployment_options(args: AppArgs) -> dict[str, Any]:
         return {
             "max_ongoing_requests": 32,
-            "ray_actor_options": {"num_cpus": 1},
+            "ray_actor_options": {"num_cpus": 0.5},
             "health_check_period_s": 10,
         }
 

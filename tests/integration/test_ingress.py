@@ -45,6 +45,21 @@ def test_body_over_limit_is_413_from_content_length(client):
     assert r.json()["error"]["type"] == "PayloadTooLargeError"
 
 
+def test_streamed_body_over_limit_is_413_before_parsing(client):
+    def chunks():  # no Content-Length: the limit must trip while the body streams in
+        for _ in range(20):
+            yield b"[" * 65536
+
+    r = client.post("/v1/chat/completions/render", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert r.json()["error"] == {
+        "message": "Request body exceeds the server maximum of 1048576 bytes.",
+        "type": "PayloadTooLargeError",
+        "param": None,
+        "code": 413,
+    }
+
+
 def test_metrics_count_requests_per_route_template(client):
     def count(text: str, route: str, status: str) -> float:
         prefix = f'serve_app_http_requests_total{{method="GET",route="{route}",status="{status}"}} '
