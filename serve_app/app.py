@@ -11,6 +11,8 @@ from typing import Any
 from ray.serve import Application
 
 from serve_app.config import AppArgs
+from serve_app.derender.parser import ParserDerender
+from serve_app.derender.plain import PlainDerender
 from serve_app.ingress import Ingress
 from serve_app.render import Render
 
@@ -38,4 +40,10 @@ def build_app(args: AppArgs) -> Application:
         return merge_options(deployment.func_or_class.deployment_options(args), overrides)
 
     render = Render.options(**options(Render, args.deployments.render)).bind(args, model)
-    return Ingress.options(**options(Ingress, args.deployments.ingress)).bind(args, model, render)
+    plain = PlainDerender.options(**options(PlainDerender, args.deployments.plain_derender)).bind(args, model)
+    parser = (
+        ParserDerender.options(**options(ParserDerender, args.deployments.parser_derender)).bind(args, model)
+        if args.has_parser
+        else None
+    )
+    return Ingress.options(**options(Ingress, args.deployments.ingress)).bind(args, model, render, plain, parser)

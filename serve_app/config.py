@@ -120,12 +120,24 @@ class AppArgs(_Strict):
         model_dir = resolve_model(self.model)
         config = json.loads((model_dir / "config.json").read_text())
         max_model_len = self.max_model_len or int(config.get("max_position_embeddings") or 2048)
+        tokenizer_dir = str(resolve_model(self.tokenizer)) if self.tokenizer else str(model_dir)
         return ResolvedModel(
             model_dir=str(model_dir),
-            tokenizer_dir=str(resolve_model(self.tokenizer)) if self.tokenizer else str(model_dir),
+            tokenizer_dir=tokenizer_dir,
             served_model_names=self.served_model_name or [self.model],
             max_model_len=max_model_len,
+            special_token_ids=_special_token_ids(tokenizer_dir),
         )
+
+
+def _special_token_ids(tokenizer_dir: str) -> list[int]:
+    """The Hugging Face tokenizer's ``all_special_ids``: what ``skip_special_tokens`` drops in vLLM.
+
+    Computed here, once, with transformers, so the light PlainDerender replicas never import it.
+    """
+    from transformers import AutoTokenizer
+
+    return sorted(AutoTokenizer.from_pretrained(tokenizer_dir).all_special_ids)
 
 
 class ResolvedModel(_Strict):
@@ -135,6 +147,7 @@ class ResolvedModel(_Strict):
     tokenizer_dir: str
     served_model_names: list[str]
     max_model_len: int
+    special_token_ids: list[int]
 
     @property
     def name(self) -> str:

@@ -81,10 +81,16 @@ class Ingress:
             "ray_actor_options": {"num_cpus": 0.5},
         }
 
-    def __init__(self, args: AppArgs, model: ResolvedModel, render: Any) -> None:
+    def __init__(
+        self, args: AppArgs, model: ResolvedModel, render: Any, plain_derender: Any, parser_derender: Any | None
+    ) -> None:
         self.args = args
         self.model = model
         self.render = render
+        self.plain_derender = plain_derender
+        # Chat derender goes through vLLM's parsers exactly when the server has one configured,
+        # as in vLLM; completions derender never parses.
+        self.chat_derender = parser_derender if args.has_parser else plain_derender
         self._created = int(time.time())
         # Added here, not at import, because the limit is configuration.
         api.user_middleware.clear()
@@ -140,6 +146,18 @@ class Ingress:
         body = await request.body()
         # The body travels as bytes and comes back as JSON bytes: one parse, one dump, in Render.
         out = await getattr(self.render, method).remote(body, request.headers.get("x-request-id"))
+        return Response(out, media_type="application/json")
+
+    @api.post("/v1/chat/completions/derender")
+    async def derender_chat(self, request: Request) -> Response:
+        check_json_content_type(request.headers.get("content-type"))
+        out = await self.chat_derender.chat.remote(await request.body())
+        return Response(out, media_type="application/json")
+
+    @api.post("/v1/completions/derender")
+    async def derender_completion(self, request: Request) -> Response:
+        check_json_content_type(request.headers.get("content-type"))
+        out = await self.plain_derender.completion.remote(await request.body())
         return Response(out, media_type="application/json")
 
     @api.post("/v1/chat/completions/render")

@@ -69,3 +69,15 @@ def app_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
     )
     serve.run(build_app(args), name="serve_app", route_prefix="/")
     return f"http://127.0.0.1:{SERVE_HTTP_PORT}"
+
+
+@pytest.fixture(scope="session")
+def plain_app_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
+    """mistral-sp with no parser: chat derender goes through PlainDerender."""
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.config import AppArgs
+
+    serve.run(build_app(AppArgs(model="mistral-sp", max_model_len=2048)), name="plain", route_prefix="/plain")
+    return f"http://127.0.0.1:{SERVE_HTTP_PORT}/plain"

@@ -1,0 +1,50 @@
+"""``PlainDerender``: detokenization-only derender (completions always; chat when no parser is configured).
+
+Light replicas: ``tokenizers`` + pydantic, no vLLM, no torch (``tests/unit/test_imports.py``).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from typing import Any
+
+from ray import serve
+
+from serve_app.config import AppArgs, ResolvedModel
+from serve_app.derender.service import DerenderLimits, PlainDerenderService
+from serve_app.derender.tokenizer import DetokTokenizer
+
+__all__ = ["PlainDerender"]
+
+
+@serve.deployment(name="PlainDerender")
+class PlainDerender:
+    """Serve shell over :class:`PlainDerenderService`; raw JSON (or a dict) in, vLLM's JSON bytes out."""
+
+    @staticmethod
+    def deployment_options(args: AppArgs) -> dict[str, Any]:
+        return {
+            "max_ongoing_requests": 64,
+            "ray_actor_options": {"num_cpus": 0.25},
+            "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16},
+        }
+
+    def __init__(self, args: AppArgs, model: ResolvedModel) -> None:
+        tok = DetokTokenizer(model.tokenizer_dir, model.special_token_ids)
+        limits = DerenderLimits(model.max_model_len, args.max_logprobs, args.limits.max_n_sequences)
+        self.service = PlainDerenderService(tok, model.served_model_names, limits)
+
+    # Async on purpose: a chunk is tens of microseconds of work, less than a thread-pool hop.
+    async def chat(self, body: bytes | dict) -> bytes:
+        return self.service.chat(body)
+
+    async def completion(self, body: bytes | dict) -> bytes:
+        return self.service.completion(body)
+
+    async def stats(self) -> dict[str, Any]:
+        """What this replica process holds: heavy modules imported (should be none) and peak RSS."""
+        return {
+            "heavy_modules": sorted(m for m in ("vllm", "torch", "transformers") if m in sys.modules),
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
