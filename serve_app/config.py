@@ -88,6 +88,14 @@ class AppArgs(_Strict):
         None, description="vLLM --default-chat-template-kwargs, e.g. {enable_thinking: false}."
     )
     trust_request_chat_template: bool = Field(False, description="vLLM --trust-request-chat-template.")
+    colocate_in_ingress: list[Literal["render", "plain_derender"]] = Field(
+        default_factory=list,
+        description=(
+            "Run these stages inside each Ingress replica instead of as their own deployments: one "
+            "Serve hop less per HTTP request (the biggest cost on small CPUs, see bench/). Scale them "
+            "by Ingress replicas then; 'render' makes every Ingress replica hold vLLM's renderer."
+        ),
+    )
     limits: RequestLimits = Field(default_factory=RequestLimits)
     engine: EngineArgs = Field(default_factory=EngineArgs)
     deployments: Deployments = Field(default_factory=Deployments)

@@ -7,8 +7,10 @@ deployments by handle; the ingress itself stays free of vLLM and tokenizers.
 
 from __future__ import annotations
 
+import inspect
 import secrets
 import time
+from types import SimpleNamespace
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -68,6 +70,25 @@ async def _any_exception(_: Request, exc: Exception) -> JSONResponse:
 api.add_exception_handler(ApiError, _any_exception)
 
 
+class InProcess:
+    """Wraps a service object so ``obj.method.remote(*args)`` awaits ``service.method(*args)`` in-process."""
+
+    def __init__(self, service: Any) -> None:
+        self._service = service
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._service, name)
+        remote = method if inspect.iscoroutinefunction(method) else _as_coroutine(method)
+        return SimpleNamespace(remote=remote)
+
+
+def _as_coroutine(fn: Any) -> Any:
+    async def call(*args: Any) -> Any:
+        return fn(*args)
+
+    return call
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(api)
 class Ingress:
@@ -81,11 +102,26 @@ class Ingress:
             "ray_actor_options": {"num_cpus": 0.5},
         }
 
-    def __init__(
-        self, args: AppArgs, model: ResolvedModel, render: Any, plain_derender: Any, parser_derender: Any | None
+    async def __init__(
+        self,
+        args: AppArgs,
+        model: ResolvedModel,
+        render: Any | None,
+        plain_derender: Any | None,
+        parser_derender: Any | None,
     ) -> None:
         self.args = args
         self.model = model
+        # A stage colocated in the ingress is awaited in-process through the same `.method.remote()`
+        # surface as its deployment handle, so the routes below do not care which it is.
+        if render is None:
+            from serve_app.render import RenderService
+
+            render = InProcess(await RenderService.create(args, model))
+        if plain_derender is None:
+            from serve_app.derender.plain import build_plain_service
+
+            plain_derender = InProcess(build_plain_service(args, model))
         self.render = render
         self.plain_derender = plain_derender
         # Chat derender goes through vLLM's parsers exactly when the server has one configured,

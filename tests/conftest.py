@@ -81,3 +81,22 @@ def plain_app_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
 
     serve.run(build_app(AppArgs(model="mistral-sp", max_model_len=2048)), name="plain", route_prefix="/plain")
     return f"http://127.0.0.1:{SERVE_HTTP_PORT}/plain"
+
+
+@pytest.fixture(scope="session")
+def colocated_app_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
+    """The default model with Render and PlainDerender running inside the Ingress replica."""
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.config import AppArgs
+
+    args = AppArgs(
+        model="qwen3-tiny",
+        tool_call_parser="hermes",
+        reasoning_parser="qwen3",
+        enable_auto_tool_choice=True,
+        colocate_in_ingress=["render", "plain_derender"],
+    )
+    serve.run(build_app(args), name="colocated", route_prefix="/colocated")
+    return f"http://127.0.0.1:{SERVE_HTTP_PORT}/colocated"

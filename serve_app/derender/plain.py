@@ -15,7 +15,13 @@ from serve_app.config import AppArgs, ResolvedModel
 from serve_app.derender.service import DerenderLimits, PlainDerenderService
 from serve_app.derender.tokenizer import DetokTokenizer
 
-__all__ = ["PlainDerender"]
+__all__ = ["PlainDerender", "build_plain_service"]
+
+
+def build_plain_service(args: AppArgs, model: ResolvedModel) -> PlainDerenderService:
+    tok = DetokTokenizer(model.tokenizer_dir, model.special_token_ids)
+    limits = DerenderLimits(model.max_model_len, args.max_logprobs, args.limits.max_n_sequences)
+    return PlainDerenderService(tok, model.served_model_names, limits)
 
 
 @serve.deployment(name="PlainDerender")
@@ -31,9 +37,7 @@ class PlainDerender:
         }
 
     def __init__(self, args: AppArgs, model: ResolvedModel) -> None:
-        tok = DetokTokenizer(model.tokenizer_dir, model.special_token_ids)
-        limits = DerenderLimits(model.max_model_len, args.max_logprobs, args.limits.max_n_sequences)
-        self.service = PlainDerenderService(tok, model.served_model_names, limits)
+        self.service = build_plain_service(args, model)
 
     # Async on purpose: a chunk is tens of microseconds of work, less than a thread-pool hop.
     async def chat(self, body: bytes | dict) -> bytes:

@@ -30,6 +30,7 @@ class DetokTokenizer:
         self._pieces: list[str | None] = [self._tok.id_to_token(i) for i in range(self.vocab_size)]
         self.piece_set = frozenset(p for p in self._pieces if p is not None)
         self.space_marker = _metaspace_replacement(json.loads(path.read_text(encoding="utf-8")))
+        self._single: dict[str, str] = {}
 
     def piece(self, token_id: int) -> str | None:
         """The vocab piece of ``token_id``; ``None`` outside the vocabulary (as ``id_to_token``)."""
@@ -42,6 +43,12 @@ class DetokTokenizer:
         return [self.piece(i) for i in ids if i not in special]
 
     def tokens_to_string(self, pieces: list[str]) -> str:
+        if len(pieces) == 1:
+            # The incremental window is usually one piece; memoise those decodes (bounded by vocab).
+            text = self._single.get(pieces[0])
+            if text is None:
+                text = self._single[pieces[0]] = self._decode_pieces(pieces)
+            return text
         return self._decode_pieces(pieces)
 
     def decode(self, ids: Sequence[int]) -> str:
