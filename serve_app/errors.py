@@ -150,8 +150,6 @@ def _format_error(err: dict[str, Any]) -> str:
         err["input"] = _summarize_input(err["input"])
     if isinstance(err.get("loc"), (tuple, list)):
         err["loc"] = clean_loc(tuple(err["loc"]))
-    if "ctx" in err and isinstance(err["ctx"], dict):
-        err["ctx"] = {k: (str(v) if isinstance(v, Exception) else v) for k, v in err["ctx"].items()}
     text = str(err)
     return text[:_MAX_ERROR_CHARS] + "...[truncated]" if len(text) > _MAX_ERROR_CHARS else text
 

@@ -23,26 +23,32 @@ def check_json_content_type(content_type: str | None) -> None:
 
 
 def parse_json(body: bytes) -> Any:
-    """Parse a request body; malformed JSON is FastAPI's ``json_invalid`` 400."""
+    """Parse a request body as FastAPI does: empty is ``None``, malformed JSON is a ``json_invalid`` 400."""
+    if not body:
+        return None
     try:
         return json.loads(body)
     except json.JSONDecodeError as exc:
         raise validation_error(
             [{"type": "json_invalid", "loc": (exc.pos,), "msg": "JSON decode error", "input": {}, "ctx": {"error": exc.msg}}]
         ) from None
-    except UnicodeDecodeError as exc:
-        raise validation_error(
-            [{"type": "json_invalid", "loc": (exc.start,), "msg": "JSON decode error", "input": {}, "ctx": {"error": str(exc)}}]
-        ) from None
+    except UnicodeDecodeError:
+        raise RequestValidationFailed("There was an error parsing the body") from None
 
 
 def validate_model(validator: Any, data: Any) -> Any:
-    """Validate ``data`` with a pydantic model class or ``TypeAdapter``; errors are vLLM's 400."""
+    """Validate ``data`` with a pydantic model class or ``TypeAdapter``; errors are vLLM's 400.
+
+    As FastAPI: a missing (or null) body is ``body: Field required``, and ``from_attributes`` is on,
+    which decides the wording of the error for a body that is not an object.
+    """
     from pydantic import ValidationError
 
+    if data is None:
+        raise validation_error([{"type": "missing", "loc": (), "msg": "Field required", "input": None}])
     try:
         if hasattr(validator, "validate_python"):
-            return validator.validate_python(data)
-        return validator.model_validate(data)
+            return validator.validate_python(data, from_attributes=True)
+        return validator.model_validate(data, from_attributes=True)
     except ValidationError as exc:
         raise validation_error(exc.errors(include_url=False)) from None
