@@ -14,9 +14,15 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _makefile_serve_env() -> dict[str, str]:
+    line = next(l for l in (ROOT / "Makefile").read_text().splitlines() if l.startswith("SERVE_ENV :="))
+    return dict(kv.split("=", 1) for kv in line.split(":=", 1)[1].split())
+
+
 def test_serve_run_serve_config(tmp_path: Path):
     serve_cli = Path(sys.executable).with_name("serve")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env |= _makefile_serve_env()  # exactly what `make run` starts Serve with
     env.pop("RAY_ADDRESS", None)
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log:
@@ -36,6 +42,14 @@ def test_serve_run_serve_config(tmp_path: Path):
                 time.sleep(1)
             models = httpx.get("http://127.0.0.1:8000/v1/models", timeout=10).json()
             assert [m["id"] for m in models["data"]] == ["qwen3-tiny"]
+            messages = [{"role": "user", "content": "Hello"}]
+            rendered = _post_until_ready("/v1/chat/completions/render", {"messages": messages})
+            assert rendered["token_ids"][-3:] == [151644, 77091, 198]  # "<|im_start|>assistant\n"
+            derendered = _post_until_ready(
+                "/v1/completions/derender",
+                {"generate_responses": [{"request_id": "g", "choices": [{"index": 0, "token_ids": [9707, 1879]}]}]},
+            )
+            assert derendered["choices"][0]["text"] == "Hello world"
         finally:
             proc.send_signal(signal.SIGINT)
             try:
@@ -43,3 +57,14 @@ def test_serve_run_serve_config(tmp_path: Path):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _post_until_ready(path: str, body: dict) -> dict:
+    # The front door may answer before every replica behind it is serving.
+    deadline = time.monotonic() + 120
+    while True:
+        r = httpx.post("http://127.0.0.1:8000" + path, json=body, timeout=30)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            assert r.status_code == 200, r.text
+            return r.json()
+        time.sleep(1)
