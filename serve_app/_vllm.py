@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 from typing import Any
 
 from serve_app.config import AppArgs, ResolvedModel
@@ -60,6 +61,10 @@ class RenderState:
 async def build_render_state(args: AppArgs, model: ResolvedModel, extra_argv: list[str] | None = None) -> RenderState:
     """Build what ``vllm launch render`` builds, minus the HTTP server (``run_launch_fastapi``)."""
     _patch_vllm_version()
+    # vLLM reads these limits from the environment on each request; this replica's process is ours,
+    # so the configured values are set once here instead.
+    os.environ["VLLM_MAX_N_SEQUENCES"] = str(args.limits.max_n_sequences)
+    os.environ["VLLM_MAX_COMPLETION_PROMPTS"] = str(args.limits.max_completion_prompts)
     from starlette.datastructures import State
     from vllm import AsyncEngineArgs, envs
     from vllm.config import VllmConfig
