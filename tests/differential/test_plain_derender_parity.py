@@ -182,3 +182,30 @@ def test_chat_and_completions_match_vllm_streaming_and_not(pair: Pair, data):
         )
         if kind == "chat":
             assert "".join(text) == whole["choices"][0]["message"]["content"]
+
+
+def test_n_greater_than_one_matches_vllm(pair: Pair):
+    """n=3: one non-streaming response with three choices, and three interleaved streams (one state per index)."""
+    rng = random.Random(7)
+    outputs = [[rng.choice(pair.interesting) for _ in range(12)] for _ in range(3)]
+    gen = {"request_id": "r", "choices": [{"index": i, "token_ids": ids, "finish_reason": "length"} for i, ids in enumerate(outputs)]}
+    _assert_same(pair, "chat", {"generate_response": gen, "prompt_token_ids": pair.interesting[:5]})
+    _assert_same(pair, "completion", {"generate_responses": [gen], "prompt_tokens": [4]})
+
+    states: dict[tuple[str, int], tuple[dict | None, dict | None]] = {}
+    roles: dict[int, list] = {0: [], 1: [], 2: []}
+    for step in range(0, 12, 3):
+        for index, ids in enumerate(outputs):  # generate interleaves the indices
+            chunk = {"request_id": "r", "choices": [{"index": index, "token_ids": ids[step : step + 3]}]}
+            for kind in ("chat", "completion"):
+                ours_state, vllm_state = states.get((kind, index), (None, None))
+                body = {"stream": True, "generate_chunk": chunk, "prompt_token_ids": pair.interesting[:5]}
+                if kind == "completion":
+                    body["completion_request"] = {"prompt": "p"}
+                _, ours = pair.our_call(kind, {**body, "stream_state": ours_state})
+                _, theirs = pair.vllm_call(kind, {**body, "stream_state": vllm_state})
+                assert _strip_created(ours) == _strip_created(theirs)
+                states[(kind, index)] = (ours["stream_state"], theirs["stream_state"])
+                if kind == "chat":
+                    roles[index].append(ours["chunk"]["choices"][0]["delta"]["role"])
+    assert all(r == ["assistant", None, None, None] for r in roles.values())
