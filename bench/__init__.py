@@ -1,0 +1,1 @@
+"""Benchmarks for serve_app (run as modules, e.g. ``python -m bench.render_bench``)."""

