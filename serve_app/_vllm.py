@@ -15,7 +15,7 @@ from typing import Any
 
 from serve_app.config import AppArgs, ResolvedModel
 
-__all__ = ["RenderState", "build_render_state", "vllm_cli_args"]
+__all__ = ["RenderState", "build_render_state", "call_vllm", "vllm_cli_args"]
 
 
 def _patch_vllm_version() -> None:
@@ -87,3 +87,24 @@ async def build_render_state(args: AppArgs, model: ResolvedModel, extra_argv: li
     state = State()
     await init_render_app_state(vllm_config, state, ns)
     return RenderState(state)
+
+
+async def call_vllm(coro: Any, error_cls: type) -> Any:
+    """Await one of vLLM's serving calls; its ``ErrorResponse`` values and exceptions leave as ``ApiError``.
+
+    Exceptions are mapped exactly as vLLM's own exception handlers map them (status, type, param).
+    """
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    from serve_app.errors import ApiError
+
+    try:
+        result = await coro
+    except ApiError:
+        raise
+    except Exception as exc:
+        result = create_error_response(exc)
+    if isinstance(result, error_cls):
+        info = result.error
+        raise ApiError(info.message, param=info.param, status_code=int(info.code), err_type=info.type)
+    return result

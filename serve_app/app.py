@@ -35,22 +35,16 @@ def merge_options(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[s
 def build_app(args: AppArgs) -> Application:
     """Build the application from validated args; the model directory is resolved once, here.
 
-    A stage listed in ``args.colocate_in_ingress`` is not deployed on its own: the Ingress runs it.
+    A stage listed in ``args.colocate_in_ingress`` also runs inside the Ingress, which serves HTTP with
+    it in-process; its own deployment stays up for callers by handle.
     """
     model = args.resolve()
 
     def options(deployment: Any, overrides: dict[str, Any]) -> dict[str, Any]:
         return merge_options(deployment.func_or_class.deployment_options(args), overrides)
 
-    colocated = set(args.colocate_in_ingress)
-    render = (
-        None if "render" in colocated else Render.options(**options(Render, args.deployments.render)).bind(args, model)
-    )
-    plain = (
-        None
-        if "plain_derender" in colocated
-        else PlainDerender.options(**options(PlainDerender, args.deployments.plain_derender)).bind(args, model)
-    )
+    render = Render.options(**options(Render, args.deployments.render)).bind(args, model)
+    plain = PlainDerender.options(**options(PlainDerender, args.deployments.plain_derender)).bind(args, model)
     parser = (
         ParserDerender.options(**options(ParserDerender, args.deployments.parser_derender)).bind(args, model)
         if args.has_parser

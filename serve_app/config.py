@@ -91,9 +91,10 @@ class AppArgs(_Strict):
     colocate_in_ingress: list[Literal["render", "plain_derender"]] = Field(
         default_factory=list,
         description=(
-            "Run these stages inside each Ingress replica instead of as their own deployments: one "
-            "Serve hop less per HTTP request (the biggest cost on small CPUs, see bench/). Scale them "
-            "by Ingress replicas then; 'render' makes every Ingress replica hold vLLM's renderer."
+            "Run these stages inside each Ingress replica for HTTP traffic: one Serve hop less per "
+            "request (the biggest cost on small CPUs, see bench/). HTTP then scales by Ingress "
+            "replicas; 'render' makes every Ingress replica hold vLLM's renderer. The stages' own "
+            "deployments stay up for callers by handle."
         ),
     )
     limits: RequestLimits = Field(default_factory=RequestLimits)

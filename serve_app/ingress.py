@@ -106,19 +106,20 @@ class Ingress:
         self,
         args: AppArgs,
         model: ResolvedModel,
-        render: Any | None,
-        plain_derender: Any | None,
+        render: Any,
+        plain_derender: Any,
         parser_derender: Any | None,
     ) -> None:
         self.args = args
         self.model = model
         # A stage colocated in the ingress is awaited in-process through the same `.method.remote()`
         # surface as its deployment handle, so the routes below do not care which it is.
-        if render is None:
+        colocated = set(args.colocate_in_ingress)
+        if "render" in colocated:
             from serve_app.render import RenderService
 
             render = InProcess(await RenderService.create(args, model))
-        if plain_derender is None:
+        if "plain_derender" in colocated:
             from serve_app.derender.plain import build_plain_service
 
             plain_derender = InProcess(build_plain_service(args, model))

@@ -14,7 +14,7 @@ from typing import Any
 from ray import serve
 
 from serve_app.config import AppArgs, ResolvedModel
-from serve_app.errors import ApiError
+from serve_app._vllm import call_vllm
 from serve_app.wire import dump_json, parse_json, validate_model
 
 __all__ = ["Render", "RenderService"]
@@ -25,11 +25,6 @@ class _RawRequest:
 
     def __init__(self, request_id: str | None) -> None:
         self.headers = {"X-Request-Id": request_id} if request_id is not None else {}
-
-
-def _raise_error_response(err: Any) -> None:
-    info = err.error
-    raise ApiError(info.message, param=info.param, status_code=int(info.code), err_type=info.type)
 
 
 def _always_emit_max_tokens(generate_request: Any, dumped: dict[str, Any]) -> dict[str, Any]:
@@ -73,20 +68,15 @@ class RenderService:
         """Parse, validate and serve one request; every failure leaves as an :class:`ApiError`.
 
         ``body`` is the raw JSON body (the HTTP path) or an already-parsed dict (handle callers).
+        Validation runs inside :func:`call_vllm` too: vLLM's request validators raise its own errors.
         """
-        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
-        try:
+        async def serve_one() -> Any:
             data = parse_json(body) if isinstance(body, (bytes, bytearray, str)) else body
             request = validate_model(validator, data)
-            result = await (handler(request) if raw_request is None else handler(request, raw_request))
-        except ApiError:
-            raise
-        except Exception as exc:  # e.g. VLLMValidationError from a request validator: mapped as vLLM maps it
-            _raise_error_response(create_error_response(exc))
-        if isinstance(result, self._error_cls):
-            _raise_error_response(result)
-        return result
+            return await (handler(request) if raw_request is None else handler(request, raw_request))
+
+        return await call_vllm(serve_one(), self._error_cls)
 
     async def chat(self, body: bytes, request_id: str | None = None) -> bytes:
         out = await self._run(self._chat, self.state.serving_render.render_chat_request, body, _RawRequest(request_id))

@@ -13,15 +13,10 @@ from typing import Any
 from ray import serve
 
 from serve_app.config import AppArgs, ResolvedModel
-from serve_app.errors import ApiError
+from serve_app._vllm import call_vllm
 from serve_app.wire import dump_json, parse_json, validate_model
 
 __all__ = ["ParserDerender", "VllmDerenderService"]
-
-
-def _raise_error_response(err: Any) -> None:
-    info = err.error
-    raise ApiError(info.message, param=info.param, status_code=int(info.code), err_type=info.type)
 
 
 class VllmDerenderService:
@@ -50,34 +45,36 @@ class VllmDerenderService:
 
         return cls(await build_render_state(args, model))
 
-    async def _run(self, coro: Any) -> Any:
-        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    async def _serve(self, validator: Any, body: bytes | dict, stream: Any, whole: Any, stream_response: Any) -> bytes:
+        async def serve_one() -> bytes:
+            data = parse_json(body) if isinstance(body, (bytes, bytearray, str)) else body
+            request = validate_model(validator, data)
+            if request.stream:
+                result = await stream(request)
+                if isinstance(result, self._error_cls):
+                    return result
+                chunk, state = result
+                return dump_json(stream_response(chunk=chunk, stream_state=state).model_dump())
+            result = await whole(request)
+            return result if isinstance(result, self._error_cls) else dump_json(result.model_dump())
 
-        try:
-            result = await coro
-        except ApiError:
-            raise
-        except Exception as exc:  # mapped exactly as vLLM's exception handlers map it
-            _raise_error_response(create_error_response(exc))
-        if isinstance(result, self._error_cls):
-            _raise_error_response(result)
-        return result
+        return await call_vllm(serve_one(), self._error_cls)
 
     async def chat(self, body: bytes | dict) -> bytes:
-        data = parse_json(body) if isinstance(body, (bytes, bytearray, str)) else body
-        request = validate_model(self._chat, data)
-        if request.stream:
-            chunk, state = await self._run(self.serving.derender_chat_stream_response(request))
-            return dump_json(self._chat_stream_response(chunk=chunk, stream_state=state).model_dump())
-        return dump_json((await self._run(self.serving.derender_chat_response(request))).model_dump())
+        s = self.serving
+        return await self._serve(
+            self._chat, body, s.derender_chat_stream_response, s.derender_chat_response, self._chat_stream_response
+        )
 
     async def completion(self, body: bytes | dict) -> bytes:
-        data = parse_json(body) if isinstance(body, (bytes, bytearray, str)) else body
-        request = validate_model(self._completion, data)
-        if request.stream:
-            chunk, state = await self._run(self.serving.derender_completion_stream_response(request))
-            return dump_json(self._completion_stream_response(chunk=chunk, stream_state=state).model_dump())
-        return dump_json((await self._run(self.serving.derender_completion_response(request))).model_dump())
+        s = self.serving
+        return await self._serve(
+            self._completion,
+            body,
+            s.derender_completion_stream_response,
+            s.derender_completion_response,
+            self._completion_stream_response,
+        )
 
 
 @serve.deployment(name="ParserDerender")

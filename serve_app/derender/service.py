@@ -135,6 +135,17 @@ class PlainDerenderService:
                 f"prompt_token_ids length ({len(ids)}) exceeds max_model_len ({self.limits.max_model_len})."
             )
 
+    def _open_stream(
+        self, request: DerenderChatStreamRequest | DerenderCompletionStreamRequest, skip_special_tokens: bool
+    ) -> tuple[DerenderStreamState, DetokWindow]:
+        """The carried state and its decode window; on the first call, a window seeded from the prompt."""
+        state = request.stream_state
+        if state is not None:
+            return state, self._window_from_state(state)
+        chunk = request.generate_chunk
+        ids = request.prompt_token_ids if request.prompt_token_ids is not None else chunk.prompt_token_ids
+        return DerenderStreamState(), seed_window(self.tok, ids, skip_special_tokens)
+
     def _window_from_state(self, state: DerenderStreamState) -> DetokWindow:
         # vLLM trusts the carried window; a tampered one decodes garbage or fails deep inside.
         if state.prefix_offset > state.read_offset or state.read_offset > len(state.prev_tokens):
@@ -231,12 +242,7 @@ class PlainDerenderService:
             )
         self._check_choices(chunk.choices, chunk.request_id)
         skip = self._decode_params(request.chat_request)
-        state = request.stream_state
-        if state is None:
-            ids = request.prompt_token_ids if request.prompt_token_ids is not None else chunk.prompt_token_ids
-            window, state = seed_window(self.tok, ids, skip), DerenderStreamState()
-        else:
-            window = self._window_from_state(state)
+        state, window = self._open_stream(request, skip)
         return_token_ids = bool(request.chat_request is not None and request.chat_request.return_token_ids)
         role_sent, context = state.role_sent, state.logprob_context_token_ids
         choices = []
@@ -354,12 +360,7 @@ class PlainDerenderService:
             raise BadRequestError("derender_completion_stream expects at most one choice per chunk")
         self._check_choices(chunk.choices, chunk.request_id)
         skip = self._decode_params(request.completion_request)
-        state = request.stream_state
-        if state is None:
-            ids = request.prompt_token_ids if request.prompt_token_ids is not None else chunk.prompt_token_ids
-            window, state = seed_window(self.tok, ids, skip), DerenderStreamState()
-        else:
-            window = self._window_from_state(state)
+        state, window = self._open_stream(request, skip)
         context, text_offset = state.logprob_context_token_ids, state.logprob_text_offset
         choices = []
         for choice in chunk.choices:

@@ -31,7 +31,11 @@ def test_colocated_stages_match_deployed_ones(app_url, colocated_app_url):
         assert err.status_code == 404 and err.json()["error"]["param"] == "model"
 
 
-def test_colocated_stages_are_not_deployed(colocated_app_url):
+def test_colocated_stages_stay_deployed_for_handle_callers(colocated_app_url):
+    import json
+
     deployments = serve.status().applications["colocated"].deployments
-    assert "Render" not in deployments and "PlainDerender" not in deployments
-    assert {"Ingress", "ParserDerender"} <= set(deployments)
+    assert {"Ingress", "Render", "PlainDerender", "ParserDerender"} <= set(deployments)
+    render = serve.get_deployment_handle("Render", app_name="colocated")
+    rendered = json.loads(render.chat.remote({"messages": MESSAGES}).result())
+    assert rendered["token_ids"][-3:] == [151644, 77091, 198]
