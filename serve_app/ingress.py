@@ -178,24 +178,24 @@ class Ingress:
             ],
         }
 
-    async def _to_render(self, request: Request, method: str) -> Response:
+    @staticmethod
+    async def _forward(request: Request, method: Any, *extra: Any) -> Response:
+        """POST body -> a stage's method. The body travels as bytes and comes back as the JSON bytes
+        to send: one parse and one dump, both in the stage."""
         check_json_content_type(request.headers.get("content-type"))
-        body = await request.body()
-        # The body travels as bytes and comes back as JSON bytes: one parse, one dump, in Render.
-        out = await getattr(self.render, method).remote(body, request.headers.get("x-request-id"))
+        out = await method.remote(await request.body(), *extra)
         return Response(out, media_type="application/json")
+
+    async def _to_render(self, request: Request, method: str) -> Response:
+        return await self._forward(request, getattr(self.render, method), request.headers.get("x-request-id"))
 
     @api.post("/v1/chat/completions/derender")
     async def derender_chat(self, request: Request) -> Response:
-        check_json_content_type(request.headers.get("content-type"))
-        out = await self.chat_derender.chat.remote(await request.body())
-        return Response(out, media_type="application/json")
+        return await self._forward(request, self.chat_derender.chat)
 
     @api.post("/v1/completions/derender")
     async def derender_completion(self, request: Request) -> Response:
-        check_json_content_type(request.headers.get("content-type"))
-        out = await self.plain_derender.completion.remote(await request.body())
-        return Response(out, media_type="application/json")
+        return await self._forward(request, self.plain_derender.completion)
 
     @api.post("/v1/chat/completions/render")
     async def render_chat(self, request: Request) -> Response:

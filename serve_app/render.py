@@ -107,17 +107,6 @@ class RenderService:
         return dump_json(out.model_dump())
 
 
-ROUTES = {
-    "/v1/chat/completions/render": "chat",
-    "/v1/completions/render": "completion",
-    "/v1/messages/render": "messages",
-    "/v1/responses/render": "responses",
-    "/tokenize": "tokenize",
-    "/detokenize": "detokenize",
-}
-"""HTTP path -> :class:`RenderService` method; the ingress routes these to the Render deployment."""
-
-
 @serve.deployment(name="Render")
 class Render:
     """Serve shell over :class:`RenderService`.
