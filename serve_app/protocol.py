@@ -47,7 +47,15 @@ class UsageInfo(_OpenAIModel):
 
 
 class SpeculativeDecodingMetrics(_OpenAIModel):
-    pass
+    mean_acceptance_length: float
+    draft_acceptance_rate: float
+    acceptance_histogram: list[int]
+    num_spec_steps: int
+    num_accepted_draft_tokens: int
+    num_draft_tokens: int
+    num_spec_tokens: int
+    per_step_accepted: list[int] | None = None
+    per_step_drafted: list[int] | None = None
 
 
 class PerRequestMetrics(_OpenAIModel):

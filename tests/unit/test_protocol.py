@@ -22,6 +22,12 @@ NAMES = [
     "GenerateLogProbsContent",
     "GenerateLogProb",
 ]
+# Passed through to responses: their defaults decide which keys an echo carries.
+ECHOED = {
+    "PerRequestMetrics": "vllm.entrypoints.generate.base.protocol",
+    "SpeculativeDecodingMetrics": "vllm.entrypoints.generate.base.protocol",
+    "UsageInfo": "vllm.entrypoints.serve.engine.protocol",
+}
 
 
 def _fields(cls: type[BaseModel]) -> list[tuple[str, object, bool]]:
@@ -65,3 +71,13 @@ def test_state_bounds_match_vllm():
             theirs.DerenderStreamState.model_validate(bad)
         assert _comparable(a.value) == _comparable(b.value)
     ours.DerenderStreamState.model_validate({"prev_tokens": ["a"] * 1024})
+
+
+@pytest.mark.parametrize("name", sorted(ECHOED))
+def test_echoed_models_match_vllm(name: str):
+    import importlib
+
+    import serve_app.vllm_cli  # noqa: F401
+
+    theirs = getattr(importlib.import_module(ECHOED[name]), name)
+    assert _fields(getattr(ours, name)) == _fields(theirs)
