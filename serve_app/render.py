@@ -15,7 +15,7 @@ from ray import serve
 
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app._vllm import call_vllm
-from serve_app.wire import dump_json, parse_json, validate_model
+from serve_app.wire import dump_json, load_body, validate_model
 
 __all__ = ["Render", "RenderService"]
 
@@ -72,7 +72,7 @@ class RenderService:
         """
 
         async def serve_one() -> Any:
-            data = parse_json(body) if isinstance(body, (bytes, bytearray, str)) else body
+            data = load_body(body)
             request = validate_model(validator, data)
             return await (handler(request) if raw_request is None else handler(request, raw_request))
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from serve_app.errors import RequestValidationFailed, validation_error
 
-__all__ = ["check_json_content_type", "dump_json", "parse_json", "validate_model"]
+__all__ = ["check_json_content_type", "dump_json", "load_body", "parse_json", "validate_model"]
 
 
 def dump_json(content: Any) -> bytes:
@@ -34,6 +34,11 @@ def parse_json(body: bytes) -> Any:
         ) from None
     except UnicodeDecodeError:
         raise RequestValidationFailed("There was an error parsing the body") from None
+
+
+def load_body(body: bytes | bytearray | str | Any) -> Any:
+    """A stage's input: raw JSON from the HTTP path, or an already-parsed object from a handle caller."""
+    return parse_json(body) if isinstance(body, (bytes, bytearray, str)) else body
 
 
 def validate_model(validator: Any, data: Any) -> Any:

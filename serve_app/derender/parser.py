@@ -14,7 +14,7 @@ from ray import serve
 
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app._vllm import call_vllm
-from serve_app.wire import dump_json, parse_json, validate_model
+from serve_app.wire import dump_json, load_body, validate_model
 
 __all__ = ["ParserDerender", "VllmDerenderService"]
 
@@ -47,7 +47,7 @@ class VllmDerenderService:
 
     async def _serve(self, validator: Any, body: bytes | dict, stream: Any, whole: Any, stream_response: Any) -> bytes:
         async def serve_one() -> bytes:
-            data = parse_json(body) if isinstance(body, (bytes, bytearray, str)) else body
+            data = load_body(body)
             request = validate_model(validator, data)
             if request.stream:
                 result = await stream(request)

@@ -27,10 +27,9 @@ from serve_app.protocol import (
     DerenderCompletionStreamRequest,
     DerenderStreamState,
     GenerateTokensResponse,
-    PerRequestMetrics,
     UsageInfo,
 )
-from serve_app.wire import dump_json, parse_json, validate_model
+from serve_app.wire import dump_json, load_body, validate_model
 
 __all__ = ["DerenderLimits", "PlainDerenderService"]
 
@@ -66,10 +65,6 @@ def _dump(model: Any) -> Any:
     return model.model_dump() if model is not None else None
 
 
-def _metrics(metrics: PerRequestMetrics | None) -> Any:
-    return _dump(metrics)
-
-
 class PlainDerenderService:
     """Detokenization-only derender for one model."""
 
@@ -88,7 +83,7 @@ class PlainDerenderService:
             )
         return model or self.served_model_names[0]
 
-    def _check_choices(self, choices: list[Any], where: str) -> None:
+    def _check_choices(self, choices: list[Any]) -> None:
         lim = self.limits
         for choice in choices:
             if choice.token_ids and len(choice.token_ids) > lim.max_model_len:
@@ -122,7 +117,7 @@ class PlainDerenderService:
                 raise BadRequestError(
                     f"choices count ({len(gen.choices)}) in response '{gen.request_id}' exceeds server maximum ({max_n})."
                 )
-            self._check_choices(gen.choices, gen.request_id)
+            self._check_choices(gen.choices)
             if gen.prompt_logprobs and len(gen.prompt_logprobs) > max_len:
                 raise BadRequestError(
                     f"prompt_logprobs length ({len(gen.prompt_logprobs)}) in response '{gen.request_id}' "
@@ -163,7 +158,7 @@ class PlainDerenderService:
     # --- endpoints -----------------------------------------------------------------------------
 
     def chat(self, body: bytes | dict) -> bytes:
-        request = validate_model(_CHAT, parse_json(body) if isinstance(body, (bytes, bytearray, str)) else body)
+        request = validate_model(_CHAT, load_body(body))
         if isinstance(request, DerenderChatStreamRequest):
             try:
                 return dump_json(self._chat_stream(request))
@@ -222,7 +217,7 @@ class PlainDerenderService:
                 "prompt_text": None,
                 "kv_transfer_params": gen.kv_transfer_params,
                 "ec_transfer_params": None,
-                "metrics": _metrics(gen.metrics),
+                "metrics": _dump(gen.metrics),
             }
         )
 
@@ -240,7 +235,7 @@ class PlainDerenderService:
                 f"prompt_token_ids length ({prompt_len}) plus output_token_ids length ({prior_len}) plus delta "
                 f"({delta_len}) exceeds max_model_len ({max_len})."
             )
-        self._check_choices(chunk.choices, chunk.request_id)
+        self._check_choices(chunk.choices)
         skip = self._decode_params(request.chat_request)
         state, window = self._open_stream(request, skip)
         return_token_ids = bool(request.chat_request is not None and request.chat_request.return_token_ids)
@@ -277,13 +272,13 @@ class PlainDerenderService:
                 "system_fingerprint": None,
                 "prompt_token_ids": None,
                 "prompt_text": None,
-                "metrics": _metrics(chunk.metrics),
+                "metrics": _dump(chunk.metrics),
             },
             "stream_state": _state_dict(state, window, role_sent=role_sent, context=context),
         }
 
     def completion(self, body: bytes | dict) -> bytes:
-        data = parse_json(body) if isinstance(body, (bytes, bytearray, str)) else body
+        data = load_body(body)
         request = validate_model(_COMPLETION, data)
         if isinstance(request, DerenderCompletionStreamRequest):
             try:
@@ -348,7 +343,7 @@ class PlainDerenderService:
                 "usage": _usage(total_prompt, total_completion),
                 "kv_transfer_params": kv,
                 "ec_transfer_params": None,
-                "metrics": _metrics(first.metrics) if n == 1 else None,
+                "metrics": _dump(first.metrics) if n == 1 else None,
             }
         )
 
@@ -358,7 +353,7 @@ class PlainDerenderService:
         chunk = request.generate_chunk
         if len(chunk.choices) > 1:
             raise BadRequestError("derender_completion_stream expects at most one choice per chunk")
-        self._check_choices(chunk.choices, chunk.request_id)
+        self._check_choices(chunk.choices)
         skip = self._decode_params(request.completion_request)
         state, window = self._open_stream(request, skip)
         context, text_offset = state.logprob_context_token_ids, state.logprob_text_offset
@@ -392,7 +387,7 @@ class PlainDerenderService:
                 "choices": choices,
                 "usage": _stream_usage(chunk.usage, request.prompt_tokens),
                 "system_fingerprint": None,
-                "metrics": _metrics(chunk.metrics),
+                "metrics": _dump(chunk.metrics),
             },
             "stream_state": _state_dict(state, window, context=context, text_offset=text_offset),
         }
