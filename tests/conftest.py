@@ -52,51 +52,46 @@ def serve_instance(ray_cluster: None) -> Iterator[None]:
     serve.shutdown()
 
 
-@pytest.fixture(scope="session")
-def app_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
-    """The default graph (qwen3-tiny, hermes + qwen3 parsers) served over HTTP."""
+def deploy_app(name: str, route_prefix: str, **app_args) -> str:
+    """Build the product graph from ``AppArgs(**app_args)``, serve it under ``route_prefix``, return its URL."""
     from ray import serve
 
     from serve_app.app import build_app
     from serve_app.config import AppArgs
 
-    args = AppArgs(
+    serve.run(build_app(AppArgs(**app_args)), name=name, route_prefix=route_prefix)
+    return f"http://127.0.0.1:{SERVE_HTTP_PORT}{route_prefix.rstrip('/')}"
+
+
+@pytest.fixture(scope="session")
+def app_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
+    """The default graph (qwen3-tiny, hermes + qwen3 parsers) served over HTTP."""
+    return deploy_app(
+        "serve_app",
+        "/",
         model="qwen3-tiny",
         tool_call_parser="hermes",
         reasoning_parser="qwen3",
         enable_auto_tool_choice=True,
         limits={"max_body_bytes": 1 << 20},
     )
-    serve.run(build_app(args), name="serve_app", route_prefix="/")
-    return f"http://127.0.0.1:{SERVE_HTTP_PORT}"
 
 
 @pytest.fixture(scope="session")
 def plain_app_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
     """mistral-sp with no parser: chat derender goes through PlainDerender."""
-    from ray import serve
-
-    from serve_app.app import build_app
-    from serve_app.config import AppArgs
-
-    serve.run(build_app(AppArgs(model="mistral-sp", max_model_len=2048)), name="plain", route_prefix="/plain")
-    return f"http://127.0.0.1:{SERVE_HTTP_PORT}/plain"
+    return deploy_app("plain", "/plain", model="mistral-sp", max_model_len=2048)
 
 
 @pytest.fixture(scope="session")
 def colocated_app_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
     """The default model with Render and PlainDerender running inside the Ingress replica."""
-    from ray import serve
-
-    from serve_app.app import build_app
-    from serve_app.config import AppArgs
-
-    args = AppArgs(
+    return deploy_app(
+        "colocated",
+        "/colocated",
         model="qwen3-tiny",
         tool_call_parser="hermes",
         reasoning_parser="qwen3",
         enable_auto_tool_choice=True,
         colocate_in_ingress=["render", "plain_derender"],
     )
-    serve.run(build_app(args), name="colocated", route_prefix="/colocated")
-    return f"http://127.0.0.1:{SERVE_HTTP_PORT}/colocated"

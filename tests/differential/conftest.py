@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import SERVE_HTTP_PORT
+from tests.conftest import deploy_app
 from tests.differential.corpus import MODELS
 from tests.differential.oracle import VllmRenderOracle, cli_argv
 
@@ -35,19 +35,9 @@ OUR_URL_FIXTURE = {"qwen3-tiny": "app_url", "deepseek-v4": "deepseek_url", "mist
 ORACLE_FIXTURE = {"qwen3-tiny": "qwen3_oracle", "deepseek-v4": "deepseek_oracle", "mistral-sp": "mistral_oracle"}
 
 
-def _deploy(name: str, route_prefix: str, **app_args) -> str:
-    from ray import serve
-
-    from serve_app.app import build_app
-    from serve_app.config import AppArgs
-
-    serve.run(build_app(AppArgs(**app_args)), name=name, route_prefix=route_prefix)
-    return f"http://127.0.0.1:{SERVE_HTTP_PORT}{route_prefix}"
-
-
 @pytest.fixture(scope="session")
 def deepseek_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
-    return _deploy(
+    return deploy_app(
         "deepseek",
         "/deepseek",
         model="deepseek-v4",
@@ -59,7 +49,7 @@ def deepseek_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
 
 @pytest.fixture(scope="session")
 def mistral_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
-    return _deploy("mistral", "/mistral", model="mistral-sp")
+    return deploy_app("mistral", "/mistral", model="mistral-sp")
 
 
 def _oracle(name: str, model_dirs: dict[str, Path]) -> Iterator[VllmRenderOracle]:
