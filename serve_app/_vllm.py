@@ -15,7 +15,7 @@ from typing import Any
 
 from serve_app.config import AppArgs, ResolvedModel
 
-__all__ = ["RenderState", "build_render_state", "call_vllm", "vllm_cli_args"]
+__all__ = ["ParserKit", "RenderState", "build_parser_kit", "build_render_state", "call_vllm", "vllm_cli_args"]
 
 
 def _patch_vllm_version() -> None:
@@ -108,3 +108,39 @@ async def call_vllm(coro: Any, error_cls: type) -> Any:
         info = result.error
         raise ApiError(info.message, param=info.param, status_code=int(info.code), err_type=info.type)
     return result
+
+
+class ParserKit:
+    """What ParserDerender needs from vLLM: the composed parser class, exactly as ``vllm serve``
+    builds it from the same flags, and the request-side helpers that go with it."""
+
+    def __init__(self, state: RenderState) -> None:
+        from vllm.entrypoints.generate.base.protocol import DeltaMessage, ToolCall, make_tool_call_id
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionNamedToolChoiceParam,
+            ChatCompletionRequest,
+            ChatMessage,
+        )
+
+        derenderer = state.online_derenderer
+        self.parser_cls = derenderer.parser
+        self.tokenizer = derenderer.renderer.get_tokenizer()
+        self.model_config = derenderer.model_config
+        self.enable_auto_tools = derenderer.enable_auto_tools
+        self.has_tool_parser = getattr(self.parser_cls, "tool_parser_cls", None) is not None
+        self.chat_template_kwargs = derenderer._resolve_chat_template_kwargs
+        self.ChatCompletionRequest = ChatCompletionRequest
+        self.NamedToolChoice = ChatCompletionNamedToolChoiceParam
+        self.ChatMessage = ChatMessage
+        self.DeltaMessage = DeltaMessage
+        self.ToolCall = ToolCall
+        self.tool_call_id = make_tool_call_id
+
+    def new_parser(self, request: Any, template_kwargs: dict[str, Any]) -> Any:
+        return self.parser_cls(
+            self.tokenizer, request.tools, chat_template_kwargs=template_kwargs, model_config=self.model_config
+        )
+
+
+async def build_parser_kit(args: AppArgs, model: ResolvedModel) -> ParserKit:
+    return ParserKit(await build_render_state(args, model))

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["AppArgs", "DeploymentOptions", "EngineArgs", "RequestLimits", "ResolvedModel"]
+__all__ = ["AppArgs", "DeploymentOptions", "EngineArgs", "ParserSessionArgs", "RequestLimits", "ResolvedModel"]
 
 
 class _Strict(BaseModel):
@@ -36,6 +36,16 @@ class RequestLimits(_Strict):
     )
 
 
+class ParserSessionArgs(_Strict):
+    """The replica-local cache of live parser sessions in ParserDerender (see serve_app/derender/sessions.py)."""
+
+    max_sessions: int = Field(4096, ge=0, description="Live streams kept per replica (LRU); 0 turns the cache off.")
+    ttl_s: float = Field(300.0, gt=0, description="A session unused this long is dropped.")
+    max_tokens: int = Field(
+        4_000_000, gt=0, description="Prompt plus output tokens held per replica, the cache's memory bound."
+    )
+
+
 class EngineArgs(_Strict):
     """The vLLM engine deployment composed with the CPU tier."""
 
@@ -43,6 +53,18 @@ class EngineArgs(_Strict):
     enforce_eager: bool = Field(True, description="vLLM --enforce-eager; much faster start on CPU.")
     dtype: str = Field("auto", description="vLLM --dtype.")
     max_num_seqs: int = Field(16, gt=0, description="vLLM --max-num-seqs.")
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "vLLM --kv-cache-memory-bytes. On CPU, vLLM otherwise takes most of the node's free memory "
+            "for KV cache and spends ~40 s warming up; a fixed size skips both."
+        ),
+    )
+    logits_processors: list[str] = Field(
+        default_factory=list,
+        description="vLLM --logits-processors: 'module:Class' names, e.g. the scripted-output processor tests use.",
+    )
     extra_engine_args: dict[str, Any] = Field(default_factory=dict, description="Any other vLLM engine args.")
 
 
@@ -98,6 +120,7 @@ class AppArgs(_Strict):
         ),
     )
     limits: RequestLimits = Field(default_factory=RequestLimits)
+    parser_sessions: ParserSessionArgs = Field(default_factory=ParserSessionArgs)
     engine: EngineArgs = Field(default_factory=EngineArgs)
     deployments: Deployments = Field(default_factory=Deployments)
 

@@ -8,6 +8,7 @@ deployments by handle; the ingress itself stays free of vLLM and tokenizers.
 from __future__ import annotations
 
 import inspect
+import re
 import secrets
 import time
 from types import SimpleNamespace
@@ -68,6 +69,19 @@ async def _any_exception(_: Request, exc: Exception) -> JSONResponse:
 # ApiError is handled by the specific handler so it is answered inside ExceptionMiddleware, where
 # the metrics middleware still sees its real status (a bare Exception handler runs outermost).
 api.add_exception_handler(ApiError, _any_exception)
+
+
+_STREAM_ID = re.compile(rb'"generate_chunk"\s*:\s*\{.*?"request_id"\s*:\s*"((?:[^"\\]|\\.){1,256})"', re.S)
+
+
+def stream_id(body: bytes) -> str | None:
+    """The generate request id of a streaming derender body, found without parsing the JSON.
+
+    Only a routing hint: a body laid out otherwise just routes without affinity (and misses the
+    session cache), never wrongly.
+    """
+    match = _STREAM_ID.search(body)
+    return match.group(1).decode("utf-8", "replace") if match else None
 
 
 class InProcess:
@@ -191,7 +205,19 @@ class Ingress:
 
     @api.post("/v1/chat/completions/derender")
     async def derender_chat(self, request: Request) -> Response:
-        return await self._forward(request, self.chat_derender.chat)
+        if not self.args.has_parser:
+            return await self._forward(request, self.chat_derender.chat)
+        check_json_content_type(request.headers.get("content-type"))
+        body = await request.body()
+        # A stream's chunks go to the replica holding its live parser: Serve's consistent-hash router
+        # keys on session_id, which the proxy only sets on the first hop, so it is re-applied here.
+        session_id = request.headers.get("x-session-id") or stream_id(body)
+        handle = self.chat_derender.options(session_id=session_id) if session_id else self.chat_derender
+        out, outcome, _ = await handle.chat_traced.remote(body)
+        metrics.parser_sessions.labels(outcome).inc()
+        if outcome == "miss":
+            metrics.replayed_chunks.inc()
+        return Response(out, media_type="application/json")
 
     @api.post("/v1/completions/derender")
     async def derender_completion(self, request: Request) -> Response:

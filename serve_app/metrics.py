@@ -35,6 +35,19 @@ class HttpMetrics:
             registry=self.registry,
         )
 
+        self.parser_sessions = Counter(
+            "serve_app_parser_session_chunks",
+            "Parser-derender stream chunks by session-cache outcome: hit (live parser found), miss "
+            "(history replayed), new (first chunk), none (usage-only chunk, nothing to parse).",
+            ("outcome",),
+            registry=self.registry,
+        )
+        self.replayed_chunks = Counter(
+            "serve_app_parser_replays",
+            "Parser-derender stream chunks answered by replaying the carried history (cache misses).",
+            registry=self.registry,
+        )
+
     def observe(self, route: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(route, method, str(status)).inc()
         self.latency.labels(route, method).observe(seconds)

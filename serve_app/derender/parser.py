@@ -1,85 +1,39 @@
 """``ParserDerender``: chat derender through vLLM's own tool and reasoning parsers.
 
-Today this serves vLLM 0.32's ``ServingDerender`` as is, built from the same flags as ``vllm launch
-render`` (:mod:`serve_app._vllm`), so the split into content / reasoning / tool_calls is vLLM's.
-Known vLLM 0.32 gaps (``vllm-0.32-behaviour.md`` 1.13) and its per-chunk replay are inherited
-until the parser-session work lands (issue 5).
+A thin Serve shell over :class:`~serve_app.derender.parsing.ParserDerenderService`. Replicas route
+by session (``ConsistentHashRouter`` on the ``session_id`` the ingress sets per stream), so a
+stream's chunks meet their live parser; any replica still answers any chunk, by replay.
 """
 
 from __future__ import annotations
 
+import resource
 from typing import Any
 
 from ray import serve
 
 from serve_app.config import AppArgs, ResolvedModel
-from serve_app._vllm import call_vllm
-from serve_app.wire import dump_json, load_body, validate_model
+from serve_app.derender.parsing import ParserDerenderService
+from serve_app.derender.service import DerenderLimits
+from serve_app.derender.sessions import SessionCache
+from serve_app.derender.tokenizer import DetokTokenizer
 
-__all__ = ["ParserDerender", "VllmDerenderService"]
+__all__ = ["ParserDerender", "build_parser_service"]
 
 
-class VllmDerenderService:
-    """Ray-free shell over vLLM's ``ServingDerender``: raw JSON in, vLLM's JSON bytes out."""
+async def build_parser_service(args: AppArgs, model: ResolvedModel) -> ParserDerenderService:
+    from serve_app._vllm import build_parser_kit
 
-    def __init__(self, state: Any) -> None:
-        from pydantic import TypeAdapter
-        from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
-            DerenderChatRequestUnion,
-            DerenderChatStreamResponse,
-            DerenderCompletionRequestUnion,
-            DerenderCompletionStreamResponse,
-        )
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-
-        self.serving = state.serving_derender
-        self._error_cls = ErrorResponse
-        self._chat = TypeAdapter(DerenderChatRequestUnion)
-        self._completion = TypeAdapter(DerenderCompletionRequestUnion)
-        self._chat_stream_response = DerenderChatStreamResponse
-        self._completion_stream_response = DerenderCompletionStreamResponse
-
-    @classmethod
-    async def create(cls, args: AppArgs, model: ResolvedModel) -> VllmDerenderService:
-        from serve_app._vllm import build_render_state
-
-        return cls(await build_render_state(args, model))
-
-    async def _serve(self, validator: Any, body: bytes | dict, stream: Any, whole: Any, stream_response: Any) -> bytes:
-        async def serve_one() -> bytes:
-            data = load_body(body)
-            request = validate_model(validator, data)
-            if request.stream:
-                result = await stream(request)
-                if isinstance(result, self._error_cls):
-                    return result
-                chunk, state = result
-                return dump_json(stream_response(chunk=chunk, stream_state=state).model_dump())
-            result = await whole(request)
-            return result if isinstance(result, self._error_cls) else dump_json(result.model_dump())
-
-        return await call_vllm(serve_one(), self._error_cls)
-
-    async def chat(self, body: bytes | dict) -> bytes:
-        s = self.serving
-        return await self._serve(
-            self._chat, body, s.derender_chat_stream_response, s.derender_chat_response, self._chat_stream_response
-        )
-
-    async def completion(self, body: bytes | dict) -> bytes:
-        s = self.serving
-        return await self._serve(
-            self._completion,
-            body,
-            s.derender_completion_stream_response,
-            s.derender_completion_response,
-            self._completion_stream_response,
-        )
+    kit = await build_parser_kit(args, model)
+    tok = DetokTokenizer(model.tokenizer_dir, model.special_token_ids)
+    limits = DerenderLimits(model.max_model_len, args.max_logprobs, args.limits.max_n_sequences)
+    c = args.parser_sessions
+    return ParserDerenderService(tok, model.served_model_names, limits, kit, SessionCache(c.max_sessions, c.ttl_s, c.max_tokens))
 
 
 @serve.deployment(name="ParserDerender")
 class ParserDerender:
-    """Serve shell over :class:`VllmDerenderService` for parser-configured chat derender."""
+    """Serve shell: raw JSON (or a dict) in, vLLM's JSON bytes out."""
 
     @staticmethod
     def deployment_options(args: AppArgs) -> dict[str, Any]:
@@ -87,13 +41,37 @@ class ParserDerender:
             "max_ongoing_requests": 32,
             "ray_actor_options": {"num_cpus": 0.5},
             "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8},
+            "request_router_config": {
+                "request_router_class": "ray.serve.experimental.consistent_hash_router:ConsistentHashRouter",
+                "request_router_kwargs": {"num_virtual_nodes": 100, "num_fallback_replicas": 2},
+            },
         }
 
     async def __init__(self, args: AppArgs, model: ResolvedModel) -> None:
-        self.service = await VllmDerenderService.create(args, model)
+        self.service = await build_parser_service(args, model)
+        self.replica = serve.get_replica_context().replica_id.unique_id
 
+    # Async on purpose: a cache hit is well under a millisecond of work, less than a thread-pool hop.
     async def chat(self, body: bytes | dict) -> bytes:
-        return await self.service.chat(body)
+        return self.service.chat(body)
 
-    async def completion(self, body: bytes | dict) -> bytes:
-        return await self.service.completion(body)
+    async def chat_traced(self, body: bytes | dict) -> tuple[bytes, str, str]:
+        """``chat`` plus what the ingress's metrics need: the session-cache outcome and this replica."""
+        out, outcome = self.service.chat_with_outcome(body)
+        return out, outcome, self.replica
+
+    async def stats(self) -> dict[str, Any]:
+        """Session-cache counters and size, and this replica's peak RSS."""
+        cache = self.service.sessions
+        s = cache.stats
+        return {
+            "replica": self.replica,
+            "sessions": len(cache),
+            "session_tokens": cache.tokens,
+            "hits": s.hits,
+            "misses": s.misses,
+            "replayed_tokens": s.replayed_tokens,
+            "evictions": s.evictions,
+            "expirations": s.expirations,
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }

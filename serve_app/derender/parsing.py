@@ -1,0 +1,437 @@
+"""Parser derender: token ids -> reasoning / content / tool calls with vLLM's own parsers. Ray-free.
+
+The split is vLLM's (its ``Parser`` classes, built from the same flags as ``vllm serve``, see
+:class:`serve_app._vllm.ParserKit`); the wire format and checks are vLLM 0.32's derender. What
+differs, and why (``vllm-0.32-behaviour.md`` 1.13; README "Compatibility notes"):
+
+* streaming keeps a live parser per stream in a replica-local :class:`SessionCache` keyed by the
+  digest of the carried state: a hit parses only the new chunk; a miss replays the carried history
+  chunk by chunk exactly as vLLM does, so every replica can still continue every stream;
+* the answer follows ``vllm serve`` where vLLM's derender drifts from it: the stop token's text is
+  not parsed into ``content``, ``finish_reason`` becomes ``tool_calls`` in non-streaming too (and
+  only from ``stop``), tool-call ids are the parser's (``chatcmpl-tool-...``) in both modes,
+  ``include_reasoning: false`` also hides logprobs and token ids, ``parallel_tool_calls: false``
+  applies in non-streaming, the request's ``prompt_token_ids`` reach the non-streaming parser,
+  logprobs are kept (and size-checked) on the streaming path, and a usage-only chunk replays nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from hashlib import blake2b
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from serve_app.derender.detokenize import DetokWindow, detokenize_delta, seed_window
+from serve_app.derender.logprobs import context_tail, resolve_logprobs
+from serve_app.derender.service import PlainDerenderService, _dump, _prompt_logprobs, _stream_usage, _usage
+from serve_app.derender.sessions import SessionCache, state_digest
+from serve_app.errors import ApiError, BadRequestError, validation_error
+from serve_app.protocol import (
+    DerenderChatRequestUnion,
+    DerenderChatStreamRequest,
+    DerenderStreamState,
+    GenerateTokensStreamChoice,
+    GenerateTokensStreamResponse,
+)
+from serve_app.wire import dump_json, load_body, validate_model
+
+__all__ = ["ChatStream", "ParserDerenderService", "ParserSession", "RequestConfig", "SessionOutcome"]
+
+_CHAT = TypeAdapter(DerenderChatRequestUnion)
+_STREAM_CHUNK = TypeAdapter(GenerateTokensStreamResponse)
+_CONFIG_CACHE_SIZE = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RequestConfig:
+    """What a chat request decides for derender, validated once per distinct request (by content hash)."""
+
+    key: bytes
+    request: Any  # vLLM's ChatCompletionRequest
+    template_kwargs: dict[str, Any]
+    named_tool_choice: bool
+    required_tool_choice: bool
+    include_reasoning: bool
+    include_stop_text: bool
+    single_tool_call: bool  # parallel_tool_calls: false
+    return_token_ids: bool
+    role: str
+
+
+class SessionOutcome:
+    HIT, MISS, NEW, NONE = "hit", "miss", "new", "none"
+
+
+@dataclass(slots=True)
+class ParserSession:
+    """One choice's live parser and the decode window in front of it."""
+
+    parser: Any
+    window: DetokWindow
+    prompt_token_ids: list[int]
+    output_tokens: int = 0
+
+    def feed(self, kit: Any, config: RequestConfig, tok: Any, delta_ids: list[int], finished: bool, stop_token: bool) -> Any:
+        """Parse one chunk as ``parse_delta`` sees it under ``vllm serve``; returns a DeltaMessage or None.
+
+        As the engine's detokenizer, a stop token (EOS or a ``stop_token_ids`` hit) ends the stream
+        without being decoded into text; the parser still gets its id.
+        """
+        text_ids = delta_ids[:-1] if stop_token and delta_ids else delta_ids
+        text, self.window = detokenize_delta(tok, text_ids, self.window, False)
+        self.output_tokens += len(delta_ids)
+        if not delta_ids and not finished:
+            return None
+        return self.parser.parse_delta(
+            text, delta_ids, config.request, prompt_token_ids=self.prompt_token_ids, finished=finished
+        )
+
+
+def _is_stop_token(choice: Any, config: RequestConfig) -> bool:
+    # "stop" with a string stop_reason is a stop *string* (matched in text, nothing to drop).
+    return choice.finish_reason == "stop" and not isinstance(choice.stop_reason, str) and not config.include_stop_text
+
+
+class ParserDerenderService(PlainDerenderService):
+    """Chat derender through vLLM's parsers, with live parser sessions cached per replica."""
+
+    def __init__(self, tok: Any, served_model_names: list[str], limits: Any, kit: Any, cache: SessionCache) -> None:
+        super().__init__(tok, served_model_names, limits)
+        self.kit = kit
+        self.sessions: SessionCache[ParserSession] = cache
+        self._configs: OrderedDict[bytes, RequestConfig] = OrderedDict()
+
+    # --- per-request configuration ---------------------------------------------------------------
+
+    def request_config(self, chat_request: Any) -> RequestConfig:
+        """Validate and derive once per distinct ``chat_request``; later chunks hit by content hash."""
+        raw = chat_request if isinstance(chat_request, dict) else chat_request.model_dump()
+        key = blake2b(json.dumps(raw, sort_keys=True, default=str).encode(), digest_size=16).digest()
+        config = self._configs.get(key)
+        if config is not None:
+            self._configs.move_to_end(key)
+            return config
+        kit = self.kit
+        try:
+            request = kit.ChatCompletionRequest.model_validate(raw)
+        except ValidationError as exc:
+            raise validation_error(exc.errors(include_url=False), loc_prefix=("body", "chat_request")) from None
+        tool_choice = request.tool_choice
+        config = RequestConfig(
+            key=key,
+            request=request,
+            template_kwargs=kit.chat_template_kwargs(request),
+            named_tool_choice=type(tool_choice) is kit.NamedToolChoice,
+            required_tool_choice=tool_choice == "required",
+            include_reasoning=bool(request.include_reasoning),
+            include_stop_text=bool(request.include_stop_str_in_output),
+            single_tool_call=request.parallel_tool_calls is False,
+            return_token_ids=bool(request.return_token_ids) and bool(request.include_reasoning),
+            role="assistant" if request.add_generation_prompt else request.messages[-1]["role"],
+        )
+        self._configs[key] = config
+        if len(self._configs) > _CONFIG_CACHE_SIZE:
+            self._configs.popitem(last=False)
+        return config
+
+    def new_session(self, config: RequestConfig, prompt_token_ids: list[int]) -> ParserSession:
+        return ParserSession(
+            parser=self.kit.new_parser(config.request, config.template_kwargs),
+            window=seed_window(self.tok, prompt_token_ids, False),
+            prompt_token_ids=prompt_token_ids,
+        )
+
+    # --- non-streaming ---------------------------------------------------------------------------
+
+    def chat(self, body: bytes | dict) -> bytes:
+        return self.chat_with_outcome(body)[0]
+
+    def chat_with_outcome(self, body: bytes | dict) -> tuple[bytes, str]:
+        """The response bytes and the session-cache outcome (:class:`SessionOutcome`)."""
+        data = load_body(body)
+        request = validate_model(_CHAT, data)
+        raw_chat_request = data.get("chat_request") if isinstance(data, dict) else None
+        if isinstance(request, DerenderChatStreamRequest):
+            chunk, state, outcome = self.chat_stream(request, raw_chat_request)
+            return dump_json({"chunk": chunk, "stream_state": state}), outcome
+        return self._chat_whole(request, raw_chat_request), SessionOutcome.NONE
+
+    def _chat_whole(self, request: Any, raw_chat_request: Any) -> bytes:
+        model = self._model_name(request.model)
+        gen = request.generate_response
+        self._check_bounds([gen])
+        self._check_prompt_ids(request.prompt_token_ids)
+        if request.chat_request is None:
+            raise BadRequestError(
+                "chat_request is required when a tool or reasoning parser is configured because plain "
+                "detokenization would leak raw parser markup into content."
+            )
+        config = self.request_config(raw_chat_request if raw_chat_request is not None else request.chat_request)
+        prompt_ids = request.prompt_token_ids if request.prompt_token_ids is not None else gen.prompt_token_ids
+        choices = [self._whole_choice(choice, config, prompt_ids or []) for choice in gen.choices]
+        prompt_tokens = request.prompt_tokens if request.prompt_tokens is not None else 0
+        completion_tokens = sum(len(c.token_ids) for c in gen.choices if c.token_ids)
+        return dump_json(
+            {
+                "id": gen.request_id,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": choices,
+                "service_tier": None,
+                "system_fingerprint": None,
+                "usage": _usage(prompt_tokens, completion_tokens),
+                "prompt_logprobs": _prompt_logprobs(gen),
+                "prompt_token_ids": None,
+                "prompt_text": None,
+                "kv_transfer_params": gen.kv_transfer_params,
+                "ec_transfer_params": None,
+                "metrics": _dump(gen.metrics),
+            }
+        )
+
+    def _whole_choice(self, choice: Any, config: RequestConfig, prompt_ids: list[int]) -> dict[str, Any]:
+        """One choice as ``vllm serve``'s ``chat_completion_full_generator`` builds it."""
+        if not choice.token_ids:
+            raise BadRequestError(f"choice {choice.index} has empty or null token_ids")
+        kit, request = self.kit, config.request
+        ids = choice.token_ids
+        text_ids = ids[:-1] if _is_stop_token(choice, config) else ids
+        text, _ = detokenize_delta(self.tok, text_ids, seed_window(self.tok, prompt_ids, False), False)
+        parser = kit.new_parser(request, config.template_kwargs)
+        if prompt_ids:
+            parser.set_prompt_token_ids(prompt_ids)
+        try:
+            reasoning, content, calls = parser.parse(
+                text, request, enable_auto_tools=kit.enable_auto_tools, model_output_token_ids=ids
+            )
+        except ValueError as exc:
+            raise BadRequestError(str(exc)) from None
+        hide = not config.include_reasoning
+        if hide:
+            reasoning = None
+        tools_allowed = config.named_tool_choice or config.required_tool_choice or (
+            kit.enable_auto_tools
+            and kit.has_tool_parser
+            and request.tools
+            and request.tool_choice in ("auto", None)
+        )
+        tool_calls = [kit.ToolCall(id=c.id or kit.tool_call_id(), function=c) for c in calls or []] if tools_allowed else []
+        if config.named_tool_choice or config.required_tool_choice:
+            content = content or ""
+        if config.single_tool_call:
+            tool_calls = tool_calls[:1]
+        auto_called = bool(tool_calls) and not (config.named_tool_choice or config.required_tool_choice)
+        finish = choice.finish_reason or "stop"
+        if auto_called or (config.required_tool_choice and finish == "stop"):
+            finish = "tool_calls"
+        message = kit.ChatMessage(role=config.role, reasoning=reasoning, content=content, tool_calls=tool_calls)
+        logprobs = None
+        if choice.logprobs is not None and not hide:
+            logprobs = resolve_logprobs(choice.logprobs, self.tok)
+        return {
+            "index": choice.index,
+            "message": message.model_dump(),
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": choice.stop_reason,
+            "token_ids": ids if config.return_token_ids else None,
+            "routed_experts": None,
+        }
+
+    # --- streaming -------------------------------------------------------------------------------
+
+    def chat_stream(self, request: DerenderChatStreamRequest, raw_chat_request: Any = None) -> tuple[dict, dict, str]:
+        """One streaming chunk over HTTP: (chunk, stream_state, cache outcome)."""
+        model = self._model_name(request.model)
+        if request.chat_request is None:
+            raise BadRequestError(
+                "chat_request is required when a tool or reasoning parser is configured because plain "
+                "detokenization would leak raw parser markup into content."
+            )
+        if request.prompt_token_ids is None:
+            raise BadRequestError(
+                "prompt_token_ids is required when a tool or reasoning parser is configured. Without it "
+                "parse_delta cannot tell whether the prompt left reasoning open (e.g. a chat template that "
+                "pre-opens <think>) and would misclassify reasoning content as plain content."
+            )
+        chunk = request.generate_chunk
+        if len(chunk.choices) > 1:
+            raise BadRequestError(f"derender_chat_stream expects at most one choice per chunk (got {len(chunk.choices)}).")
+        state = request.stream_state or DerenderStreamState()
+        prompt_ids = request.prompt_token_ids
+        prior, delta = len(state.output_token_ids), sum(len(c.token_ids) for c in chunk.choices if c.token_ids)
+        if len(prompt_ids) + prior + delta > self.limits.max_model_len:
+            raise BadRequestError(
+                f"prompt_token_ids length ({len(prompt_ids)}) plus output_token_ids length ({prior}) plus delta "
+                f"({delta}) exceeds max_model_len ({self.limits.max_model_len})."
+            )
+        self._check_choices(chunk.choices)
+        config = self.request_config(raw_chat_request if raw_chat_request is not None else request.chat_request)
+        stream = ChatStream(self, config, prompt_ids, request.prompt_tokens, model, state)
+        if not chunk.choices:  # usage-only: parser state is not needed, nothing to replay
+            return stream.step(chunk) + (SessionOutcome.NONE,)
+        key = stream.digest()
+        session = self.sessions.take(key)
+        if session is not None:
+            outcome = SessionOutcome.HIT
+            self.sessions.stats.hits += 1
+        else:
+            outcome = SessionOutcome.NEW if not state.output_token_ids else SessionOutcome.MISS
+            if outcome == SessionOutcome.MISS:
+                self.sessions.stats.misses += 1
+                self.sessions.stats.replayed_tokens += len(state.output_token_ids)
+            try:
+                session = stream.replay()
+            except ApiError:
+                raise
+            except Exception:  # as vLLM: a carried state the parser chokes on is the caller's 400
+                raise BadRequestError("invalid stream_state: derender failed") from None
+        stream.session = session
+        try:
+            out_chunk, out_state = stream.step(chunk)
+        except ApiError:
+            raise
+        except Exception:
+            raise BadRequestError("invalid stream_state: derender failed") from None
+        self.sessions.put(stream.digest(), session, len(prompt_ids) + session.output_tokens)
+        return out_chunk, out_state, outcome
+
+    def open_chat_stream(
+        self, chat_request: dict[str, Any], prompt_token_ids: list[int], prompt_tokens: int | None = None, model: str | None = None
+    ) -> ChatStream:
+        """An in-process stream for one choice (the composed OpenAI path): the live parser is held by
+        the returned object, so chunks are parsed once and no state makes a round trip."""
+        config = self.request_config(chat_request)
+        stream = ChatStream(self, config, list(prompt_token_ids), prompt_tokens, self._model_name(model), DerenderStreamState())
+        stream.session = self.new_session(config, stream.prompt_ids)
+        return stream
+
+
+@dataclass(slots=True)
+class ChatStream:
+    """One choice's stream: the carried fields of ``DerenderStreamState`` plus, once opened, its session."""
+
+    service: ParserDerenderService
+    config: RequestConfig
+    prompt_ids: list[int]
+    prompt_tokens: int | None
+    model: str
+    state: DerenderStreamState
+    session: ParserSession | None = None
+    output_ids: list[int] = field(init=False)
+    chunk_lens: list[int] = field(init=False)
+    role_sent: bool = field(init=False)
+    tools_streamed: bool = field(init=False)
+    tool_call_ids: list[str] = field(init=False)
+    context: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.state
+        self.output_ids = list(s.output_token_ids)
+        self.chunk_lens = list(s.output_chunk_lens)
+        self.role_sent = s.role_sent
+        self.tools_streamed = s.tools_streamed
+        self.tool_call_ids = list(s.last_tool_call_ids)
+        self.context = list(s.logprob_context_token_ids)
+
+    def digest(self) -> bytes:
+        return state_digest(
+            self.config.key,
+            self.prompt_ids,
+            self.output_ids,
+            self.chunk_lens,
+            (self.role_sent, self.tools_streamed, *self.tool_call_ids),
+        )
+
+    def replay(self) -> ParserSession:
+        """vLLM's replay: a fresh parser fed every past chunk at its original boundaries."""
+        service = self.service
+        session = service.new_session(self.config, self.prompt_ids)
+        start = 0
+        for n in self.chunk_lens:
+            session.feed(service.kit, self.config, service.tok, self.output_ids[start : start + n], False, False)
+            start += n
+        return session
+
+    def feed(self, generate_chunk: Any) -> dict[str, Any]:
+        """The composed path: one engine chunk (a dict or model) in, the chat chunk dict out."""
+        if isinstance(generate_chunk, dict):
+            generate_chunk = _STREAM_CHUNK.validate_python(generate_chunk)
+        return self.step(generate_chunk)[0]
+
+    def step(self, chunk: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        choices = [self._choice(choice) for choice in chunk.choices]
+        out = {
+            "id": chunk.request_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": choices,
+            "usage": _stream_usage(chunk.usage, self.prompt_tokens),
+            "system_fingerprint": None,
+            "prompt_token_ids": None,
+            "prompt_text": None,
+            "metrics": _dump(chunk.metrics),
+        }
+        s = self.state
+        state = {
+            "prev_tokens": s.prev_tokens,
+            "prefix_offset": s.prefix_offset,
+            "read_offset": s.read_offset,
+            "role_sent": self.role_sent,
+            "logprob_context_token_ids": self.context,
+            "logprob_text_offset": s.logprob_text_offset,
+            "output_token_ids": self.output_ids,
+            "output_chunk_lens": self.chunk_lens,
+            "tools_streamed": self.tools_streamed,
+            "last_tool_call_ids": self.tool_call_ids,
+        }
+        return out, state
+
+    def _choice(self, choice: GenerateTokensStreamChoice) -> dict[str, Any]:
+        service, config = self.service, self.config
+        assert self.session is not None
+        delta_ids = choice.token_ids or []
+        finished = choice.finish_reason is not None
+        msg = self.session.feed(service.kit, config, service.tok, delta_ids, finished, _is_stop_token(choice, config))
+        if delta_ids:
+            self.output_ids.extend(delta_ids)
+            self.chunk_lens.append(len(delta_ids))
+        if msg is None:
+            msg = service.kit.DeltaMessage()
+        if msg.tool_calls:
+            self.tools_streamed = True
+            for tc in msg.tool_calls:
+                if tc.id is None:
+                    continue
+                if tc.index < len(self.tool_call_ids):
+                    tc.id = self.tool_call_ids[tc.index]  # a replayed parser re-issues ids; keep the first
+                else:
+                    self.tool_call_ids.append(tc.id)
+            if config.single_tool_call:
+                msg.tool_calls = [tc for tc in msg.tool_calls if tc.index == 0]
+        if not self.role_sent:
+            msg.role = config.role
+            self.role_sent = True
+        finish = choice.finish_reason
+        if finish == "stop" and self.tools_streamed and not config.named_tool_choice:
+            finish = "tool_calls"
+        logprobs = None
+        if choice.logprobs is not None and config.include_reasoning:
+            logprobs = resolve_logprobs(choice.logprobs, service.tok, self.context)
+        self.context = context_tail(self.context, delta_ids)
+        return {
+            "index": choice.index,
+            "delta": msg.model_dump(),
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": choice.stop_reason,
+            "token_ids": choice.token_ids if config.return_token_ids else None,
+        }
+

@@ -1,0 +1,122 @@
+"""Replica-local cache of live parser sessions, keyed by a digest of the client-carried state.
+
+vLLM rebuilds a parser and replays the whole output on every streaming chunk because parser state
+cannot travel in ``stream_state``. Here a replica keeps the live session after answering a chunk,
+filed under the digest of the state it just returned. The next chunk of that stream carries exactly
+that state, so it finds the session (a hit) and only the new delta is parsed. Any other replica, or
+this one after an eviction, misses and replays as vLLM does, with identical output: the cache is
+an optimisation, never the source of truth.
+
+A session is taken out of the cache while it is used, so a retried or duplicated chunk (same state
+twice) misses and replays instead of feeding one parser twice.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from hashlib import blake2b
+from typing import Any, Generic, TypeVar
+
+__all__ = ["CacheStats", "SessionCache", "state_digest"]
+
+T = TypeVar("T")
+
+
+def _ids_bytes(ids: Sequence[int]) -> bytes:
+    # Token ids are < 2**31 in every vocabulary; 'q' keeps any int a caller may send unambiguous.
+    return array("q", ids).tobytes()
+
+
+def state_digest(
+    config_key: bytes,
+    prompt_token_ids: Sequence[int],
+    output_token_ids: Sequence[int],
+    output_chunk_lens: Sequence[int],
+    flags: Iterable[Any],
+) -> bytes:
+    """A 128-bit digest of everything a parser session's state depends on.
+
+    ``config_key`` identifies the request configuration (tools, template kwargs, ...); ``flags``
+    carries the remaining small state fields (role sent, tool-call ids, logprob context).
+    """
+    h = blake2b(config_key, digest_size=16)
+    for part in (prompt_token_ids, output_token_ids, output_chunk_lens):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(_ids_bytes(part))
+    h.update(repr(tuple(flags)).encode())
+    return h.digest()
+
+
+@dataclass(slots=True)
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    replayed_tokens: int = 0  # output tokens re-parsed because of misses
+    evictions: int = 0
+    expirations: int = 0
+
+
+class SessionCache(Generic[T]):
+    """LRU + TTL map from state digest to a live session, bounded in entries and in tokens held."""
+
+    def __init__(self, max_sessions: int, ttl_s: float, max_tokens: int) -> None:
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self.max_tokens = max_tokens
+        self.stats = CacheStats()
+        self._entries: OrderedDict[bytes, tuple[float, int, T]] = OrderedDict()
+        self._tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def tokens(self) -> int:
+        """Prompt plus output tokens held by the cached sessions (the memory bound is on this)."""
+        return self._tokens
+
+    def take(self, key: bytes) -> T | None:
+        """Remove and return the session filed under ``key``, if any and not expired."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return None
+        stamp, tokens, session = entry
+        self._tokens -= tokens
+        if time.monotonic() - stamp > self.ttl_s:
+            self.stats.expirations += 1
+            return None
+        return session
+
+    def put(self, key: bytes, session: T, tokens: int) -> None:
+        if self.max_sessions <= 0 or tokens > self.max_tokens:
+            return
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._tokens -= old[1]
+        self._entries[key] = (time.monotonic(), tokens, session)
+        self._tokens += tokens
+        self._evict()
+
+    def _evict(self) -> None:
+        now = time.monotonic()
+        entries = self._entries
+        # Oldest first: expired entries, then least recently used ones beyond the bounds.
+        while entries:
+            key, (stamp, tokens, _) = next(iter(entries.items()))
+            expired = now - stamp > self.ttl_s
+            if not expired and len(entries) <= self.max_sessions and self._tokens <= self.max_tokens:
+                break
+            del entries[key]
+            self._tokens -= tokens
+            if expired:
+                self.stats.expirations += 1
+            else:
+                self.stats.evictions += 1
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._tokens = 0

@@ -1,0 +1,77 @@
+"""The parser-session cache: LRU, TTL and token bounds, and take-once semantics."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from serve_app.derender.sessions import SessionCache, state_digest
+
+
+def test_take_removes_so_a_duplicated_chunk_misses():
+    cache: SessionCache[str] = SessionCache(max_sessions=4, ttl_s=60, max_tokens=1000)
+    cache.put(b"k", "session", tokens=10)
+    assert cache.take(b"k") == "session"
+    assert cache.take(b"k") is None
+    assert len(cache) == 0 and cache.tokens == 0
+
+
+def test_least_recently_used_is_evicted_beyond_max_sessions():
+    cache: SessionCache[int] = SessionCache(max_sessions=2, ttl_s=60, max_tokens=1000)
+    cache.put(b"a", 1, tokens=1)
+    cache.put(b"b", 2, tokens=1)
+    cache.put(b"a", cache.take(b"a"), tokens=1)  # a stream's next chunk refreshes its session
+    cache.put(b"c", 3, tokens=1)
+    assert cache.take(b"b") is None
+    assert cache.take(b"a") == 1 and cache.take(b"c") == 3
+    assert cache.stats.evictions == 1
+
+
+def test_token_budget_bounds_memory():
+    cache: SessionCache[int] = SessionCache(max_sessions=100, ttl_s=60, max_tokens=100)
+    for i in range(10):
+        cache.put(bytes([i]), i, tokens=30)
+    assert cache.tokens <= 100 and len(cache) == 3
+    cache.put(b"huge", 99, tokens=101)  # larger than the whole budget: never cached
+    assert cache.take(b"huge") is None and cache.tokens <= 100
+
+
+def test_expired_sessions_are_not_returned(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    cache: SessionCache[int] = SessionCache(max_sessions=10, ttl_s=5, max_tokens=100)
+    cache.put(b"old", 1, tokens=1)
+    now[0] += 6
+    assert cache.take(b"old") is None
+    assert cache.stats.expirations == 1
+    cache.put(b"x", 2, tokens=1)
+    cache.put(b"y", 3, tokens=1)
+    now[0] += 6
+    cache.put(b"z", 4, tokens=1)  # putting sweeps what expired meanwhile
+    assert len(cache) == 1 and cache.tokens == 1
+
+
+def test_zero_sessions_turns_the_cache_off():
+    cache: SessionCache[int] = SessionCache(max_sessions=0, ttl_s=5, max_tokens=100)
+    cache.put(b"k", 1, tokens=1)
+    assert cache.take(b"k") is None
+
+
+BASE = (b"cfg", [1, 2], [3, 4], [2], (True,))
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        (b"cfg2", [1, 2], [3, 4], [2], (True,)),  # another request configuration
+        (b"cfg", [1, 2, 0], [3, 4], [2], (True,)),  # another prompt
+        (b"cfg", [1, 2], [3, 5], [2], (True,)),  # another output
+        (b"cfg", [1, 2], [3, 4], [1, 1], (True,)),  # same output, other chunk boundaries
+        (b"cfg", [1, 2], [3, 4], [2], (False,)),  # another flag
+        (b"cfg", [1], [2, 3, 4], [3], (True,)),  # same ids, moved between prompt and output
+    ],
+)
+def test_digest_covers_every_part_of_the_state(other):
+    assert state_digest(*BASE) == state_digest(*BASE)
+    assert state_digest(*other) != state_digest(*BASE)
