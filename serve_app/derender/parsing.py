@@ -38,7 +38,7 @@ from serve_app.protocol import (
     GenerateTokensStreamChoice,
     GenerateTokensStreamResponse,
 )
-from serve_app.wire import dump_json, load_body, validate_model
+from serve_app.wire import dump_json, dump_json_floatless, load_body, validate_model
 
 __all__ = ["ChatStream", "ParserDerenderService", "ParserSession", "RequestConfig", "SessionOutcome"]
 
@@ -75,6 +75,12 @@ class ParserSession:
     window: DetokWindow
     prompt_token_ids: list[int]
     output_tokens: int = 0
+    # The carried lists this session was last filed under; a digest hit is confirmed against them.
+    output_ids: list[int] = field(default_factory=list)
+    chunk_lens: list[int] = field(default_factory=list)
+
+    def matches(self, prompt_ids: list[int], output_ids: list[int], chunk_lens: list[int]) -> bool:
+        return self.output_ids == output_ids and self.chunk_lens == chunk_lens and self.prompt_token_ids == prompt_ids
 
     def feed(self, kit: Any, config: RequestConfig, tok: Any, delta_ids: list[int], finished: bool, stop_token: bool) -> Any:
         """Parse one chunk as ``parse_delta`` sees it under ``vllm serve``; returns a DeltaMessage or None.
@@ -158,7 +164,8 @@ class ParserDerenderService(PlainDerenderService):
         raw_chat_request = data.get("chat_request") if isinstance(data, dict) else None
         if isinstance(request, DerenderChatStreamRequest):
             chunk, state, outcome = self.chat_stream(request, raw_chat_request)
-            return dump_json({"chunk": chunk, "stream_state": state}), outcome
+            # The state is the bulk of the bytes (every output id) and holds no floats.
+            return b'{"chunk":' + dump_json(chunk) + b',"stream_state":' + dump_json_floatless(state) + b"}", outcome
         return self._chat_whole(request, raw_chat_request), SessionOutcome.NONE
 
     def _chat_whole(self, request: Any, raw_chat_request: Any) -> bytes:
@@ -276,8 +283,9 @@ class ParserDerenderService(PlainDerenderService):
         stream = ChatStream(self, config, prompt_ids, request.prompt_tokens, model, state)
         if not chunk.choices:  # usage-only: parser state is not needed, nothing to replay
             return stream.step(chunk) + (SessionOutcome.NONE,)
-        key = stream.digest()
-        session = self.sessions.take(key)
+        session = self.sessions.take(stream.digest())
+        if session is not None and not session.matches(stream.prompt_ids, stream.output_ids, stream.chunk_lens):
+            session = None  # a digest collision: never feed another stream's parser
         if session is not None:
             outcome = SessionOutcome.HIT
             self.sessions.stats.hits += 1
@@ -299,6 +307,7 @@ class ParserDerenderService(PlainDerenderService):
             raise
         except Exception:
             raise BadRequestError("invalid stream_state: derender failed") from None
+        session.output_ids, session.chunk_lens = stream.output_ids, stream.chunk_lens
         self.sessions.put(stream.digest(), session, len(prompt_ids) + session.output_tokens)
         return out_chunk, out_state, outcome
 

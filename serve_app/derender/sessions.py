@@ -7,6 +7,10 @@ that state, so it finds the session (a hit) and only the new delta is parsed. An
 this one after an eviction, misses and replays as vLLM does, with identical output: the cache is
 an optimisation, never the source of truth.
 
+The digest is O(1) to compute (lengths, tails and flags, not every id: hashing a growing state on
+every chunk would make each chunk O(n) twice over), so the caller confirms a hit by comparing the
+full id lists it holds against the session's, a C-speed list comparison.
+
 A session is taken out of the cache while it is used, so a retried or duplicated chunk (same state
 twice) misses and replays instead of feeding one parser twice.
 """
@@ -14,7 +18,6 @@ twice) misses and replays instead of feeding one parser twice.
 from __future__ import annotations
 
 import time
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -26,9 +29,7 @@ __all__ = ["CacheStats", "SessionCache", "state_digest"]
 T = TypeVar("T")
 
 
-def _ids_bytes(ids: Sequence[int]) -> bytes:
-    # Token ids are < 2**31 in every vocabulary; 'q' keeps any int a caller may send unambiguous.
-    return array("q", ids).tobytes()
+_TAIL = 8
 
 
 def state_digest(
@@ -38,17 +39,20 @@ def state_digest(
     output_chunk_lens: Sequence[int],
     flags: Iterable[Any],
 ) -> bytes:
-    """A 128-bit digest of everything a parser session's state depends on.
-
-    ``config_key`` identifies the request configuration (tools, template kwargs, ...); ``flags``
-    carries the remaining small state fields (role sent, tool-call ids, logprob context).
+    """A 128-bit digest of a stream state's identity: request configuration, list lengths and tails,
+    and the small flags (role sent, tool-call ids). Equal states always give equal digests; a
+    digest match is confirmed against the full lists by the caller.
     """
-    h = blake2b(config_key, digest_size=16)
-    for part in (prompt_token_ids, output_token_ids, output_chunk_lens):
-        h.update(len(part).to_bytes(8, "little"))
-        h.update(_ids_bytes(part))
-    h.update(repr(tuple(flags)).encode())
-    return h.digest()
+    parts = (
+        len(prompt_token_ids),
+        tuple(prompt_token_ids[-_TAIL:]),
+        len(output_token_ids),
+        tuple(output_token_ids[-_TAIL:]),
+        len(output_chunk_lens),
+        tuple(output_chunk_lens[-_TAIL:]),
+        tuple(flags),
+    )
+    return blake2b(config_key + repr(parts).encode(), digest_size=16).digest()
 
 
 @dataclass(slots=True)

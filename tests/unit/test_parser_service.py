@@ -1,0 +1,201 @@
+"""ParserDerenderService in-process (real vLLM parsers and tokenizer, no Ray): the vLLM 0.32 gaps
+it fixes, and the session cache's hit / miss / replay rules."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+from transformers import AutoTokenizer
+
+from serve_app.config import AppArgs
+from serve_app.derender.parser import build_parser_service
+from serve_app.errors import ApiError
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+    }
+]
+CHAT_REQUEST = {"messages": [{"role": "user", "content": "Weather in Paris and Rome?"}], "tools": TOOLS}
+OUTPUT = (
+    "<think>\nTwo cities, two calls.\n</think>\n\nOn it.\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+)
+
+
+@pytest.fixture(scope="module")
+def service():
+    args = AppArgs(model="qwen3-tiny", tool_call_parser="hermes", reasoning_parser="qwen3", enable_auto_tool_choice=True)
+    return asyncio.run(build_parser_service(args, args.resolve()))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from serve_app.models import ensure_model
+
+    return AutoTokenizer.from_pretrained(ensure_model("qwen3-tiny"))
+
+
+@pytest.fixture(scope="module")
+def ids(tok):
+    prompt = tok.apply_chat_template(CHAT_REQUEST["messages"], tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt if isinstance(prompt, list) else prompt["input_ids"])
+    return prompt, tok.encode(OUTPUT) + [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def _whole(service, prompt, output, chat_request=CHAT_REQUEST, **choice):
+    body = {
+        "generate_response": {"request_id": "g", "choices": [{"index": 0, "token_ids": output, **choice}]},
+        "prompt_token_ids": prompt,
+        "chat_request": chat_request,
+    }
+    return json.loads(service.chat(body))["choices"][0]
+
+
+def _chunk(prompt, ids, state, last=False, chat_request=CHAT_REQUEST, **choice):
+    return {
+        "stream": True,
+        "generate_chunk": {
+            "request_id": "s",
+            "choices": [{"index": 0, "token_ids": ids, "finish_reason": "stop" if last else None, **choice}],
+        },
+        "stream_state": state,
+        "chat_request": chat_request,
+        "prompt_token_ids": prompt,
+    }
+
+
+def _stream(service, prompt, output, step=1, chat_request=CHAT_REQUEST):
+    chunks, outcomes, state = [], [], None
+    for i in range(0, len(output), step):
+        out, outcome = service.chat_with_outcome(_chunk(prompt, output[i : i + step], state, i + step >= len(output), chat_request))
+        data = json.loads(out)
+        state = data["stream_state"]
+        chunks.append(data["chunk"])
+        outcomes.append(outcome)
+    return chunks, outcomes, state
+
+
+class TestFixedGaps:
+    def test_non_streaming_tool_calls(self, service, ids):
+        choice = _whole(service, *ids)
+        message = choice["message"]
+        assert choice["finish_reason"] == "tool_calls"  # vLLM 0.32's derender: "stop"
+        assert [c["id"][:14] for c in message["tool_calls"]] == ["chatcmpl-tool-"] * 2  # vLLM: 16 hex digits
+        assert message["content"] == "\n\nOn it.\n"  # the stop token's text is not content
+        assert message["reasoning"] == "\nTwo cities, two calls.\n"
+
+    def test_streamed_length_finish_stays_length(self, service, ids):
+        """As ``vllm serve``: only a ``stop`` finish becomes ``tool_calls`` (vLLM's derender rewrites any)."""
+        prompt, output = ids
+        _, _, state = _stream(service, prompt, output[:-2])  # both tool calls have started streaming
+        assert state["tools_streamed"]
+        body = _chunk(prompt, output[-2:-1], state)
+        body["generate_chunk"]["choices"][0]["finish_reason"] = "length"
+        assert json.loads(service.chat(body))["chunk"]["choices"][0]["finish_reason"] == "length"
+
+    def test_parallel_tool_calls_false_keeps_the_first_call(self, service, ids):
+        message = _whole(service, *ids, chat_request={**CHAT_REQUEST, "parallel_tool_calls": False})["message"]
+        assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"city": "Paris"}]
+
+    def test_hidden_reasoning_hides_logprobs_and_token_ids(self, service, ids):
+        prompt, output = ids
+        logprobs = {"content": [{"token_id": t, "logprob": -0.5, "top_logprobs": []} for t in output]}
+        hidden = {**CHAT_REQUEST, "include_reasoning": False, "return_token_ids": True, "logprobs": True}
+        choice = _whole(service, prompt, output, chat_request=hidden, logprobs=logprobs)
+        assert choice["message"]["reasoning"] is None
+        assert choice["logprobs"] is None and choice["token_ids"] is None
+        shown = _whole(service, prompt, output, chat_request={**hidden, "include_reasoning": True}, logprobs=logprobs)
+        assert len(shown["logprobs"]["content"]) == len(output) and shown["token_ids"] == output
+
+    def test_streaming_keeps_and_bounds_logprobs(self, service, ids):
+        prompt, output = ids
+        body = _chunk(prompt, output[:2], None)
+        body["generate_chunk"]["choices"][0]["logprobs"] = {
+            "content": [{"token_id": t, "logprob": -1.0, "top_logprobs": [{"token_id": t, "logprob": -1.0}]} for t in output[:2]]
+        }
+        got = json.loads(service.chat(body))["chunk"]["choices"][0]["logprobs"]["content"]
+        assert [e["token"] for e in got] == [service.tok.decode([t]) for t in output[:2]]
+        entry = body["generate_chunk"]["choices"][0]["logprobs"]["content"][0]
+        entry["top_logprobs"] = [{"token_id": t, "logprob": -1.0} for t in range(21)]
+        with pytest.raises(ApiError, match="exceeds max_logprobs"):
+            service.chat(body)
+
+    @pytest.mark.parametrize(
+        ("drop", "message"),
+        [("chat_request", "chat_request is required"), ("prompt_token_ids", "prompt_token_ids is required")],
+    )
+    def test_stream_requires_chat_request_and_prompt(self, service, ids, drop, message):
+        body = _chunk(*ids[:1], ids[1][:1], None)
+        body[drop] = None
+        with pytest.raises(ApiError, match=message) as exc:
+            service.chat(body)
+        assert exc.value.status_code == 400
+
+
+class TestSessionCache:
+    def test_stream_equals_non_streaming_and_hits_after_the_first_chunk(self, service, ids):
+        prompt, output = ids
+        for step in (1, 3):
+            chunks, outcomes, _ = _stream(service, prompt, output, step)
+            assert outcomes == ["new"] + ["hit"] * (len(outcomes) - 1)
+            deltas = [c["choices"][0]["delta"] for c in chunks]
+            whole = _whole(service, prompt, output)["message"]
+            assert "".join(d.get("content") or "" for d in deltas) == whole["content"]
+            assert "".join(d.get("reasoning") or "" for d in deltas) == whole["reasoning"]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+    def test_a_retried_chunk_misses_and_replays_to_the_same_answer(self, service, ids):
+        prompt, output = ids
+        _, _, state = _stream(service, prompt, output[:20])
+        body = _chunk(prompt, output[20:21], {**state})
+        first, outcome1 = service.chat_with_outcome(body)
+        again, outcome2 = service.chat_with_outcome(body)  # the same state a second time
+        assert (outcome1, outcome2) == ("hit", "miss")
+        assert _normalized([json.loads(first)["chunk"]]) == _normalized([json.loads(again)["chunk"]])
+
+    def test_same_shape_other_history_is_never_a_hit(self, service, ids):
+        """Two states with equal lengths and tails (equal digests) but different history: the full
+        comparison turns the digest match into a miss."""
+        prompt, output = ids
+        _, _, state = _stream(service, prompt, output[:30])
+        forged = {**state, "output_token_ids": [output[5]] * 10 + state["output_token_ids"][10:]}
+        _, outcome = service.chat_with_outcome(_chunk(prompt, output[30:31], forged))
+        assert outcome == "miss"
+
+    def test_usage_only_chunk_needs_no_parser(self, service, ids):
+        prompt, output = ids
+        _, _, state = _stream(service, prompt, output)
+        body = _chunk(prompt, [], state)
+        body["generate_chunk"] = {"request_id": "s", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": len(output)}}
+        out, outcome = service.chat_with_outcome(body)
+        data = json.loads(out)
+        assert outcome == "none" and data["stream_state"] == state
+        assert data["chunk"]["usage"]["completion_tokens"] == len(output)
+
+    def test_a_stream_continues_on_another_service_by_replay(self, service, ids):
+        prompt, output = ids
+        args = AppArgs(model="qwen3-tiny", tool_call_parser="hermes", reasoning_parser="qwen3", enable_auto_tool_choice=True)
+        other = asyncio.run(build_parser_service(args, args.resolve()))
+        reference, _, _ = _stream(service, prompt, output)
+        _, _, state = _stream(service, prompt, output[:25])
+        moved, outcomes = [], []
+        for i in range(25, len(output)):
+            out, outcome = other.chat_with_outcome(_chunk(prompt, output[i : i + 1], state, i == len(output) - 1))
+            data = json.loads(out)
+            state = data["stream_state"]
+            moved.append(data["chunk"])
+            outcomes.append(outcome)
+        assert outcomes == ["miss"] + ["hit"] * (len(outcomes) - 1)
+        assert _normalized(moved) == _normalized(reference[25:])
+
+
+def _normalized(chunks: list[dict]) -> list[dict]:
+    """Chunks without what two runs legitimately differ in: timestamps and random tool-call ids."""
+    text = json.dumps([{k: v for k, v in c.items() if k != "created"} for c in chunks])
+    return json.loads(re.sub(r"chatcmpl-tool-[0-9a-f]+", "chatcmpl-tool-X", text))
