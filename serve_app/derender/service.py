@@ -35,6 +35,8 @@ __all__ = ["DerenderLimits", "PlainDerenderService"]
 
 _CHAT = TypeAdapter(DerenderChatRequestUnion)
 _COMPLETION = TypeAdapter(DerenderCompletionRequestUnion)
+_CHAT_STREAM = TypeAdapter(DerenderChatStreamRequest)
+_COMPLETION_STREAM = TypeAdapter(DerenderCompletionStreamRequest)
 
 
 class DerenderLimits:
@@ -154,6 +156,22 @@ class PlainDerenderService:
     def _decode_params(request: Any) -> bool:
         # Fast tokenizers ignore spaces_between_special_tokens; only skip_special_tokens matters.
         return request.skip_special_tokens if request is not None else True
+
+    # --- in-process streams (the composed OpenAI path) ---------------------------------------
+
+    def open_chat_stream(
+        self, chat_request: Any, prompt_token_ids: list[int], prompt_tokens: int | None = None, model: str | None = None
+    ) -> PlainStream:
+        """One choice's chat stream held in memory: ``feed(generate_chunk)`` -> the chat chunk dict."""
+        return PlainStream(self._chat_stream, _CHAT_STREAM, "chat_request", chat_request, prompt_token_ids, prompt_tokens, model)
+
+    def open_completion_stream(
+        self, completion_request: Any, prompt_token_ids: list[int], prompt_tokens: int | None = None, model: str | None = None
+    ) -> PlainStream:
+        """One choice's completions stream held in memory: ``feed(generate_chunk)`` -> the chunk dict."""
+        return PlainStream(
+            self._completion_stream, _COMPLETION_STREAM, "completion_request", completion_request, prompt_token_ids, prompt_tokens, model
+        )
 
     # --- endpoints -----------------------------------------------------------------------------
 
@@ -391,6 +409,25 @@ class PlainDerenderService:
             },
             "stream_state": _state_dict(state, window, context=context, text_offset=text_offset),
         }
+
+
+class PlainStream:
+    """A plain stream whose (bounded, O(1)) carried state stays in memory between chunks."""
+
+    def __init__(
+        self, step: Any, adapter: TypeAdapter, request_field: str, request: Any, prompt_ids: list[int],
+        prompt_tokens: int | None, model: str | None,
+    ) -> None:
+        self._step, self._adapter = step, adapter
+        self._fields = {"stream": True, "model": model, request_field: request, "prompt_token_ids": prompt_ids,
+                        "prompt_tokens": prompt_tokens}
+        self.state: dict[str, Any] | None = None
+
+    def feed(self, generate_chunk: Any) -> dict[str, Any]:
+        request = self._adapter.validate_python({**self._fields, "generate_chunk": generate_chunk, "stream_state": self.state})
+        out = self._step(request)
+        self.state = out["stream_state"]
+        return out["chunk"]
 
 
 def _prompt_logprobs(gen: GenerateTokensResponse) -> Any:
