@@ -298,7 +298,8 @@ def run_ours(opts: argparse.Namespace, prompt: list[int], output: list[int]) -> 
 
 
 def session_memory(prompt: list[int], output: list[int]) -> dict[str, Any]:
-    """Bytes one cached session holds per token, measured with tracemalloc on the real service."""
+    """Bytes the session cache holds per token, measured with tracemalloc on the real service: five
+    streams (distinct prompts) are streamed through ``chat_with_outcome`` and left in the cache."""
     import gc
     import tracemalloc
 
@@ -307,24 +308,24 @@ def session_memory(prompt: list[int], output: list[int]) -> dict[str, Any]:
 
     args = AppArgs(**APP)
     service = asyncio.run(build_parser_service(args, args.resolve()))
-    config = service.request_config(CHAT_REQUEST)
     out = {}
     for n in (1000, 4000):
+        service.sessions.clear()
         gc.collect()
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
-        sessions = []
-        for _ in range(5):
-            s = service.new_session(config, prompt)
-            for tid in output[:n]:
-                s.feed(service.kit, config, service.tok, [tid], False, False)
-            sessions.append(s)
+        for k in range(5):
+            state = None
+            own_prompt = prompt + [k]
+            for i in range(n):
+                body = chunk_body(i, output[:n], state, own_prompt, f"mem-{k}")
+                state = json.loads(service.chat_with_outcome(body)[0])["stream_state"]
+        del state
         gc.collect()
         held = tracemalloc.get_traced_memory()[0] - base
         tracemalloc.stop()
-        per_token = held / 5 / (n + len(prompt))
-        out[n] = {"bytes_per_session": held / 5, "bytes_per_token": per_token}
-        del sessions
+        tokens = service.sessions.tokens
+        out[n] = {"sessions": len(service.sessions), "tokens": tokens, "bytes": held, "bytes_per_token": held / tokens}
     worst = max(v["bytes_per_token"] for v in out.values())
     cap = args.parser_sessions.max_tokens
     return {"by_length": out, "max_tokens": cap, "bound_bytes": worst * cap}

@@ -15,7 +15,7 @@ from typing import Any
 
 from serve_app.config import AppArgs, ResolvedModel
 
-__all__ = ["ParserKit", "RenderState", "build_parser_kit", "build_render_state", "call_vllm", "vllm_cli_args"]
+__all__ = ["ParserKit", "RenderState", "api_error", "build_parser_kit", "build_render_state", "call_vllm", "vllm_cli_args"]
 
 
 def _patch_vllm_version() -> None:
@@ -94,8 +94,6 @@ async def call_vllm(coro: Any, error_cls: type) -> Any:
 
     Exceptions are mapped exactly as vLLM's own exception handlers map them (status, type, param).
     """
-    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-
     from serve_app.errors import ApiError
 
     try:
@@ -103,12 +101,21 @@ async def call_vllm(coro: Any, error_cls: type) -> Any:
     except ApiError:
         raise
     except Exception as exc:
-        result = create_error_response(exc)
+        raise api_error(exc) from None
     if isinstance(result, error_cls):
         info = result.error
         raise ApiError(info.message, param=info.param, status_code=int(info.code), err_type=info.type)
     return result
 
+
+def api_error(exc: Exception) -> Any:
+    """An exception raised inside vLLM code as the ``ApiError`` vLLM's handlers would answer it with."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    from serve_app.errors import ApiError
+
+    info = create_error_response(exc).error
+    return ApiError(info.message, param=info.param, status_code=int(info.code), err_type=info.type)
 
 class ParserKit:
     """What ParserDerender needs from vLLM: the composed parser class, exactly as ``vllm serve``
@@ -135,6 +142,13 @@ class ParserKit:
         self.DeltaMessage = DeltaMessage
         self.ToolCall = ToolCall
         self.tool_call_id = make_tool_call_id
+        self.api_error = api_error
+        from pydantic import TypeAdapter
+        from vllm.entrypoints.scale_out.token_in_token_out.protocol import DerenderChatRequestUnion
+
+        # Only for error messages: a body whose chat_request fails vLLM's validation is re-validated
+        # whole with vLLM's own union, so the 400 lists what vLLM's would, loc for loc.
+        self.derender_chat_adapter = TypeAdapter(DerenderChatRequestUnion)
 
     def new_parser(self, request: Any, template_kwargs: dict[str, Any]) -> Any:
         return self.parser_cls(

@@ -63,6 +63,11 @@ class RequestConfig:
     role: str
 
 
+class _InvalidChatRequest(Exception):
+    def __init__(self, error: ApiError) -> None:
+        self.error = error
+
+
 class SessionOutcome:
     HIT, MISS, NEW, NONE = "hit", "miss", "new", "none"
 
@@ -126,7 +131,10 @@ class ParserDerenderService(PlainDerenderService):
         try:
             request = kit.ChatCompletionRequest.model_validate(raw)
         except ValidationError as exc:
-            raise validation_error(exc.errors(include_url=False), loc_prefix=("body", "chat_request")) from None
+            error = validation_error(exc.errors(include_url=False), loc_prefix=("body", "chat_request"))
+            raise _InvalidChatRequest(error) from None
+        except Exception as exc:  # vLLM's own request checks (e.g. tool_choice without tools)
+            raise kit.api_error(exc) from None
         tool_choice = request.tool_choice
         config = RequestConfig(
             key=key,
@@ -162,6 +170,13 @@ class ParserDerenderService(PlainDerenderService):
         data = load_body(body)
         request = validate_model(_CHAT, data)
         raw_chat_request = data.get("chat_request") if isinstance(data, dict) else None
+        try:
+            return self._chat(request, raw_chat_request)
+        except _InvalidChatRequest as exc:
+            validate_model(self.kit.derender_chat_adapter, data)  # raises vLLM's exact 400
+            raise exc.error from None
+
+    def _chat(self, request: Any, raw_chat_request: Any) -> tuple[bytes, str]:
         if isinstance(request, DerenderChatStreamRequest):
             chunk, state, outcome = self.chat_stream(request, raw_chat_request)
             # The state is the bulk of the bytes (every output id) and holds no floats.

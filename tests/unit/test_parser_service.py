@@ -199,3 +199,38 @@ def _normalized(chunks: list[dict]) -> list[dict]:
     """Chunks without what two runs legitimately differ in: timestamps and random tool-call ids."""
     text = json.dumps([{k: v for k, v in c.items() if k != "created"} for c in chunks])
     return json.loads(re.sub(r"chatcmpl-tool-[0-9a-f]+", "chatcmpl-tool-X", text))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "chat_request",
+    [
+        {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},  # vLLM's own check
+        {"messages": "nope"},  # fails our light model too
+        {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"},  # only vLLM's full model
+    ],
+)
+def test_invalid_chat_request_is_vllms_400(service, stream, chat_request):
+    from pydantic import TypeAdapter
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import DerenderChatRequestUnion
+
+    from serve_app._vllm import api_error
+    from serve_app.wire import validate_model
+
+    choice = {"index": 0, "token_ids": [1]}
+    body = (
+        {"stream": True, "generate_chunk": {"request_id": "g", "choices": [choice]}}
+        if stream
+        else {"generate_response": {"request_id": "g", "choices": [choice]}}
+    )
+    body |= {"chat_request": chat_request, "prompt_token_ids": [1]}
+    with pytest.raises(ApiError) as ours:
+        service.chat(body)
+    try:
+        validate_model(TypeAdapter(DerenderChatRequestUnion), body)
+        raise AssertionError("vLLM accepted the body")
+    except ApiError as exc:
+        theirs = exc
+    except Exception as exc:  # raised by vLLM's validators, answered by its exception handler
+        theirs = api_error(exc)
+    assert (ours.value.status_code, ours.value.message, ours.value.param) == (theirs.status_code, theirs.message, theirs.param)
