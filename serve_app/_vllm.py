@@ -155,6 +155,33 @@ class ParserKit:
             self.tokenizer, request.tools, chat_template_kwargs=template_kwargs, model_config=self.model_config
         )
 
+    @property
+    def has_reasoning_parser(self) -> bool:
+        return getattr(self.parser_cls, "reasoning_parser_cls", None) is not None
+
+    def adjust_request(self, request: Any, template_kwargs: dict[str, Any]) -> Any:
+        """The request as ``vllm serve`` hands it to the engine and parser: after the parser's
+        ``adjust_request`` (e.g. hermes turns ``skip_special_tokens`` off for tool calls), under the
+        same condition as vLLM's ``OnlineRenderer``."""
+        from vllm.utils.mistral import is_mistral_tokenizer, is_mistral_tool_parser
+
+        cls, tok = self.parser_cls, self.tokenizer
+        tool_parser = getattr(cls, "tool_parser_cls", None)
+        mistral_grammar = (
+            tool_parser is not None
+            and is_mistral_tool_parser(tool_parser)
+            and is_mistral_tokenizer(tok)
+            and tok.supports_grammar
+        )
+        if (
+            getattr(cls, "always_adjust_request", False)
+            or self.has_reasoning_parser
+            or getattr(request, "tool_choice", "none") != "none"
+            or mistral_grammar
+        ):
+            request = self.new_parser(request, template_kwargs).adjust_request(request=request)
+        return request
+
 
 async def build_parser_kit(args: AppArgs, model: ResolvedModel) -> ParserKit:
     return ParserKit(await build_render_state(args, model))

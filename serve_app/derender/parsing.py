@@ -45,6 +45,7 @@ __all__ = ["ChatStream", "ParserDerenderService", "ParserSession", "RequestConfi
 _CHAT = TypeAdapter(DerenderChatRequestUnion)
 _STREAM_CHUNK = TypeAdapter(GenerateTokensStreamResponse)
 _CONFIG_CACHE_SIZE = 1024
+_FINISHED = -1  # the choice index under which a finished stream's session waits for its usage chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,9 @@ class RequestConfig:
     single_tool_call: bool  # parallel_tool_calls: false
     return_token_ids: bool
     role: str
+    skip_special_tokens: bool  # after the parser's adjust_request, as the engine decodes
+    top_logprobs: int  # entries kept per token (-1: all)
+    echo: str  # with echo: the last message's text, put in front of the content
 
 
 class _InvalidChatRequest(Exception):
@@ -94,7 +98,7 @@ class ParserSession:
         without being decoded into text; the parser still gets its id.
         """
         text_ids = delta_ids[:-1] if stop_token and delta_ids else delta_ids
-        text, self.window = detokenize_delta(tok, text_ids, self.window, False)
+        text, self.window = detokenize_delta(tok, text_ids, self.window, config.skip_special_tokens)
         self.output_tokens += len(delta_ids)
         if not delta_ids and not finished:
             return None
@@ -106,6 +110,27 @@ class ParserSession:
 def _is_stop_token(choice: Any, config: RequestConfig) -> bool:
     # "stop" with a string stop_reason is a stop *string* (matched in text, nothing to drop).
     return choice.finish_reason == "stop" and not isinstance(choice.stop_reason, str) and not config.include_stop_text
+
+
+def _trim_top_logprobs(logprobs: dict[str, Any], keep: int) -> dict[str, Any]:
+    """As ``vllm serve``: ``top_logprobs`` entries as the request asked (``/generate`` sends at least one)."""
+    if keep >= 0:
+        for entry in logprobs["content"] or ():
+            del entry["top_logprobs"][keep:]
+    return logprobs
+
+
+def _echo_text(request: Any, role: str) -> str:
+    """``vllm serve``'s echo: the last message's text when it has the response's role."""
+    if not request.echo or not request.messages:
+        return ""
+    last = request.messages[-1]
+    if last.get("role") != role:
+        return ""
+    content = last.get("content") or ""
+    if isinstance(content, list):
+        return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content
 
 
 class ParserDerenderService(PlainDerenderService):
@@ -135,18 +160,24 @@ class ParserDerenderService(PlainDerenderService):
             raise _InvalidChatRequest(error) from None
         except Exception as exc:  # vLLM's own request checks (e.g. tool_choice without tools)
             raise kit.api_error(exc) from None
+        template_kwargs = kit.chat_template_kwargs(request)
+        request = kit.adjust_request(request, template_kwargs)
         tool_choice = request.tool_choice
+        role = "assistant" if request.add_generation_prompt else request.messages[-1]["role"]
         config = RequestConfig(
             key=key,
             request=request,
-            template_kwargs=kit.chat_template_kwargs(request),
+            template_kwargs=template_kwargs,
             named_tool_choice=type(tool_choice) is kit.NamedToolChoice,
             required_tool_choice=tool_choice == "required",
             include_reasoning=bool(request.include_reasoning),
             include_stop_text=bool(request.include_stop_str_in_output),
             single_tool_call=request.parallel_tool_calls is False,
             return_token_ids=bool(request.return_token_ids) and bool(request.include_reasoning),
-            role="assistant" if request.add_generation_prompt else request.messages[-1]["role"],
+            role=role,
+            skip_special_tokens=bool(request.skip_special_tokens),
+            top_logprobs=request.top_logprobs if request.top_logprobs is not None else 0,
+            echo=_echo_text(request, role),
         )
         self._configs[key] = config
         if len(self._configs) > _CONFIG_CACHE_SIZE:
@@ -156,7 +187,7 @@ class ParserDerenderService(PlainDerenderService):
     def new_session(self, config: RequestConfig, prompt_token_ids: list[int]) -> ParserSession:
         return ParserSession(
             parser=self.kit.new_parser(config.request, config.template_kwargs),
-            window=seed_window(self.tok, prompt_token_ids, False),
+            window=seed_window(self.tok, prompt_token_ids, config.skip_special_tokens),
             prompt_token_ids=prompt_token_ids,
         )
 
@@ -195,9 +226,16 @@ class ParserDerenderService(PlainDerenderService):
             )
         config = self.request_config(raw_chat_request if raw_chat_request is not None else request.chat_request)
         prompt_ids = request.prompt_token_ids if request.prompt_token_ids is not None else gen.prompt_token_ids
-        choices = [self._whole_choice(choice, config, prompt_ids or []) for choice in gen.choices]
+        choices, reasoning_tokens = [], 0
+        for choice in gen.choices:
+            out, reasoning = self._whole_choice(choice, config, prompt_ids or [])
+            choices.append(out)
+            reasoning_tokens += reasoning
         prompt_tokens = request.prompt_tokens if request.prompt_tokens is not None else 0
         completion_tokens = sum(len(c.token_ids) for c in gen.choices if c.token_ids)
+        usage = _usage(prompt_tokens, completion_tokens)
+        if self.kit.has_reasoning_parser:  # as vllm serve
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         return dump_json(
             {
                 "id": gen.request_id,
@@ -207,7 +245,7 @@ class ParserDerenderService(PlainDerenderService):
                 "choices": choices,
                 "service_tier": None,
                 "system_fingerprint": None,
-                "usage": _usage(prompt_tokens, completion_tokens),
+                "usage": usage,
                 "prompt_logprobs": _prompt_logprobs(gen),
                 "prompt_token_ids": None,
                 "prompt_text": None,
@@ -217,14 +255,16 @@ class ParserDerenderService(PlainDerenderService):
             }
         )
 
-    def _whole_choice(self, choice: Any, config: RequestConfig, prompt_ids: list[int]) -> dict[str, Any]:
-        """One choice as ``vllm serve``'s ``chat_completion_full_generator`` builds it."""
+    def _whole_choice(self, choice: Any, config: RequestConfig, prompt_ids: list[int]) -> tuple[dict[str, Any], int]:
+        """One choice as ``vllm serve``'s ``chat_completion_full_generator`` builds it, and its
+        reasoning-token count."""
         if not choice.token_ids:
             raise BadRequestError(f"choice {choice.index} has empty or null token_ids")
         kit, request = self.kit, config.request
         ids = choice.token_ids
         text_ids = ids[:-1] if _is_stop_token(choice, config) else ids
-        text, _ = detokenize_delta(self.tok, text_ids, seed_window(self.tok, prompt_ids, False), False)
+        skip = config.skip_special_tokens
+        text, _ = detokenize_delta(self.tok, text_ids, seed_window(self.tok, prompt_ids, skip), skip)
         parser = kit.new_parser(request, config.template_kwargs)
         if prompt_ids:
             parser.set_prompt_token_ids(prompt_ids)
@@ -234,6 +274,7 @@ class ParserDerenderService(PlainDerenderService):
             )
         except ValueError as exc:
             raise BadRequestError(str(exc)) from None
+        reasoning_tokens = parser.count_reasoning_tokens(ids) if kit.has_reasoning_parser else 0
         hide = not config.include_reasoning
         if hide:
             reasoning = None
@@ -246,6 +287,8 @@ class ParserDerenderService(PlainDerenderService):
         tool_calls = [kit.ToolCall(id=c.id or kit.tool_call_id(), function=c) for c in calls or []] if tools_allowed else []
         if config.named_tool_choice or config.required_tool_choice:
             content = content or ""
+        if config.echo:
+            content = config.echo + (content or "")
         if config.single_tool_call:
             tool_calls = tool_calls[:1]
         auto_called = bool(tool_calls) and not (config.named_tool_choice or config.required_tool_choice)
@@ -255,7 +298,7 @@ class ParserDerenderService(PlainDerenderService):
         message = kit.ChatMessage(role=config.role, reasoning=reasoning, content=content, tool_calls=tool_calls)
         logprobs = None
         if choice.logprobs is not None and not hide:
-            logprobs = resolve_logprobs(choice.logprobs, self.tok)
+            logprobs = _trim_top_logprobs(resolve_logprobs(choice.logprobs, self.tok), config.top_logprobs)
         return {
             "index": choice.index,
             "message": message.model_dump(),
@@ -264,7 +307,7 @@ class ParserDerenderService(PlainDerenderService):
             "stop_reason": choice.stop_reason,
             "token_ids": ids if config.return_token_ids else None,
             "routed_experts": None,
-        }
+        }, reasoning_tokens
 
     # --- streaming -------------------------------------------------------------------------------
 
@@ -296,11 +339,15 @@ class ParserDerenderService(PlainDerenderService):
         self._check_choices(chunk.choices)
         config = self.request_config(raw_chat_request if raw_chat_request is not None else request.chat_request)
         stream = ChatStream(self, config, prompt_ids, request.prompt_tokens, model, state)
-        if not chunk.choices:  # usage-only: parser state is not needed, nothing to replay
+        if not chunk.choices:  # usage-only: no text to parse, nothing to replay ...
+            if chunk.usage is not None and self.kit.has_reasoning_parser and state.output_token_ids:
+                # ... except vllm serve's reasoning-token count, which asks the stream's own parser.
+                stream.stream_key = (chunk.request_id, _FINISHED)
+                stream.session = self._take(stream) or stream.replay()
             return stream.step(chunk) + (SessionOutcome.NONE,)
-        session = self.sessions.take(stream.digest())
-        if session is not None and not session.matches(stream.prompt_ids, stream.output_ids, stream.chunk_lens):
-            session = None  # a digest collision: never feed another stream's parser
+        # Which stream this is: n>1 choices (or two identical requests) can carry equal states.
+        stream.stream_key = (chunk.request_id, chunk.choices[0].index)
+        session = self._take(stream)
         if session is not None:
             outcome = SessionOutcome.HIT
             self.sessions.stats.hits += 1
@@ -323,8 +370,18 @@ class ParserDerenderService(PlainDerenderService):
         except Exception:
             raise BadRequestError("invalid stream_state: derender failed") from None
         session.output_ids, session.chunk_lens = stream.output_ids, stream.chunk_lens
+        if chunk.choices[0].finish_reason is not None:
+            # A finished parser is never fed again; it is kept (apart from live streams) only for
+            # the usage chunk that may follow.
+            stream.stream_key = (chunk.request_id, _FINISHED)
         self.sessions.put(stream.digest(), session, len(prompt_ids) + session.output_tokens)
         return out_chunk, out_state, outcome
+
+    def _take(self, stream: ChatStream) -> ParserSession | None:
+        session = self.sessions.take(stream.digest())
+        if session is not None and not session.matches(stream.prompt_ids, stream.output_ids, stream.chunk_lens):
+            return None  # a digest collision: never feed another stream's parser
+        return session
 
     def open_chat_stream(
         self, chat_request: dict[str, Any], prompt_token_ids: list[int], prompt_tokens: int | None = None, model: str | None = None
@@ -348,6 +405,7 @@ class ChatStream:
     model: str
     state: DerenderStreamState
     session: ParserSession | None = None
+    stream_key: tuple[str, int] = ("", 0)
     output_ids: list[int] = field(init=False)
     chunk_lens: list[int] = field(init=False)
     role_sent: bool = field(init=False)
@@ -370,7 +428,7 @@ class ChatStream:
             self.prompt_ids,
             self.output_ids,
             self.chunk_lens,
-            (self.role_sent, self.tools_streamed, *self.tool_call_ids),
+            (*self.stream_key, self.role_sent, self.tools_streamed, *self.tool_call_ids),
         )
 
     def replay(self) -> ParserSession:
@@ -397,7 +455,7 @@ class ChatStream:
             "created": int(time.time()),
             "model": self.model,
             "choices": choices,
-            "usage": _stream_usage(chunk.usage, self.prompt_tokens),
+            "usage": self._usage(chunk.usage),
             "system_fingerprint": None,
             "prompt_token_ids": None,
             "prompt_text": None,
@@ -417,6 +475,15 @@ class ChatStream:
             "last_tool_call_ids": self.tool_call_ids,
         }
         return out, state
+
+    def _usage(self, usage: Any) -> dict[str, Any] | None:
+        out = _stream_usage(usage, self.prompt_tokens)
+        kit = self.service.kit
+        if out is not None and kit.has_reasoning_parser:
+            # As vllm serve: reasoning tokens of the output so far (this choice's: a stream carries one).
+            parser = self.session.parser if self.session is not None else kit.new_parser(self.config.request, self.config.template_kwargs)
+            out["completion_tokens_details"] = {"reasoning_tokens": parser.count_reasoning_tokens(tuple(self.output_ids))}
+        return out
 
     def _choice(self, choice: GenerateTokensStreamChoice) -> dict[str, Any]:
         service, config = self.service, self.config
@@ -443,12 +510,14 @@ class ChatStream:
         if not self.role_sent:
             msg.role = config.role
             self.role_sent = True
+            if config.echo:
+                msg.content = config.echo + (msg.content or "")
         finish = choice.finish_reason
         if finish == "stop" and self.tools_streamed and not config.named_tool_choice:
             finish = "tool_calls"
         logprobs = None
         if choice.logprobs is not None and config.include_reasoning:
-            logprobs = resolve_logprobs(choice.logprobs, service.tok, self.context)
+            logprobs = _trim_top_logprobs(resolve_logprobs(choice.logprobs, service.tok, self.context), config.top_logprobs)
         self.context = context_tail(self.context, delta_ids)
         return {
             "index": choice.index,
