@@ -254,16 +254,26 @@ def run_ours(opts: argparse.Namespace, prompt: list[int], output: list[int]) -> 
         base = f"http://127.0.0.1:{port}"
         url = f"{base}/v1/chat/completions/derender"
 
-        async def replica_stats() -> dict[str, Any]:
-            # One ParserDerender replica holds every session (each Ingress replica has its own /metrics).
-            # Throughput-optimized Serve runs handle routing on the caller's event loop.
-            return await serve.get_deployment_handle("ParserDerender", app_name="bench").stats.remote()
+        # One ParserDerender replica holds every session (each Ingress replica has its own /metrics).
+        # Throughput-optimized Serve routes handle calls on the caller's event loop, which must keep
+        # running: one loop in a thread for every call.
+        import threading
+
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+        handle = serve.get_deployment_handle("ParserDerender", app_name="bench")
+
+        def replica_stats() -> dict[str, Any]:
+            async def call() -> dict[str, Any]:
+                return await handle.stats.remote()
+
+            return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout=60)
 
         with httpx.Client(timeout=120) as c:
             stream(c, url, prompt, output[:50], "warmup")
-            before = asyncio.run(replica_stats())
+            before = replica_stats()
             lat, chunks = stream(c, url, prompt, output, "ours")
-            after = asyncio.run(replica_stats())
+            after = replica_stats()
             whole = c.post(
                 url,
                 json={
@@ -339,8 +349,13 @@ def report(data: dict[str, Any]) -> str:
     lines = [
         "# Parser derender: serve_app ParserDerender vs `vllm launch render` (hermes + qwen3, qwen3-tiny)",
         "",
-        f"{m['date_utc']}, {m['cpu']}, {m['logical_cpus']} vCPU, commit {m['git_commit']}. One run, one machine; "
-        "ours over HTTP through Serve's front door as `make run` serves it (HAProxy, throughput-optimized "
+        f"{m['date_utc']}, {m['cpu']}, {m['logical_cpus']} vCPU, commit {m['git_commit']}. "
+        + (
+            "vLLM samples reused from the previous run on this machine (--reuse-vllm); "
+            if data["opts"].get("reuse_vllm")
+            else "One run, one machine; "
+        )
+        + "ours over HTTP through Serve's front door as `make run` serves it (HAProxy, throughput-optimized "
         "Serve, two Ingress replicas with render colocated, ParserDerender 1 replica), one token per chunk.",
         "",
         "## Per-chunk latency by position (ours, one stream of %d chunks)" % len(ours["per_chunk_all_s"]),

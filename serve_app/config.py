@@ -42,7 +42,9 @@ class ParserSessionArgs(_Strict):
     max_sessions: int = Field(4096, ge=0, description="Live streams kept per replica (LRU); 0 turns the cache off.")
     ttl_s: float = Field(300.0, gt=0, description="A session unused this long is dropped.")
     max_tokens: int = Field(
-        4_000_000, gt=0, description="Prompt plus output tokens held per replica, the cache's memory bound."
+        1_000_000,
+        gt=0,
+        description="Prompt plus output tokens held per replica: the cache's memory bound (130-270 B a token, bench/).",
     )
 
 
@@ -51,6 +53,14 @@ class EngineArgs(_Strict):
 
     enabled: bool = Field(False, description="Run the engine deployment (token ids in, token ids out).")
     enforce_eager: bool = Field(True, description="vLLM --enforce-eager; much faster start on CPU.")
+    tokens_only: bool = Field(
+        True,
+        description=(
+            "vLLM --tokens-only: no tokenizer in the engine, as `vllm serve --tokens-only`. Set false to "
+            "load one (vLLM --enable-scale-out instead), which structured outputs (tool_choice "
+            "required / named, response_format) and stop strings need."
+        ),
+    )
     dtype: str = Field("auto", description="vLLM --dtype.")
     max_num_seqs: int = Field(16, gt=0, description="vLLM --max-num-seqs.")
     kv_cache_memory_bytes: int | None = Field(
