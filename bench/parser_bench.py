@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -402,7 +401,7 @@ def report(data: dict[str, Any]) -> str:
         f"{s['misses']} misses: **{100 * ours['hit_rate']:.2f}% hits**.",
         f"- Replica after the run: {st['sessions']} cached sessions holding {st['session_tokens']} tokens; "
         f"peak RSS {st['max_rss_bytes'] / 2**20:.0f} MiB.",
-        f"- Memory per cached token (tracemalloc, live sessions of 1000 / 4000 output tokens): "
+        "- Memory per cached token (tracemalloc, live sessions of 1000 / 4000 output tokens): "
         + ", ".join(f"{v['bytes_per_token']:.0f} B" for v in mem["by_length"].values())
         + f". With `parser_sessions.max_tokens` = {mem['max_tokens']:,} the cache holds at most "
         f"~{mem['bound_bytes'] / 2**20:.0f} MiB per replica (plus LRU and TTL bounds on entries).",
