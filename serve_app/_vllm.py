@@ -15,7 +15,18 @@ from typing import Any
 
 from serve_app.config import AppArgs, ResolvedModel
 
-__all__ = ["ParserKit", "RenderState", "api_error", "build_parser_kit", "build_render_state", "call_vllm", "vllm_cli_args"]
+__all__ = [
+    "EngineState",
+    "ParserKit",
+    "RenderState",
+    "api_error",
+    "build_parser_kit",
+    "build_engine_state",
+    "build_render_state",
+    "call_vllm",
+    "engine_cli_args",
+    "vllm_cli_args",
+]
 
 
 def _patch_vllm_version() -> None:
@@ -185,3 +196,97 @@ class ParserKit:
 
 async def build_parser_kit(args: AppArgs, model: ResolvedModel) -> ParserKit:
     return ParserKit(await build_render_state(args, model))
+
+
+# --- the engine: what `vllm serve --tokens-only` builds -------------------------------------------
+
+
+def engine_cli_args(args: AppArgs, model: ResolvedModel) -> list[str]:
+    """The ``vllm serve --tokens-only`` command line equivalent to ``args.engine``.
+
+    Tool-parser and template flags are left out: the engine never parses output (render and
+    derender do). With ``tokens_only`` off it loads the tokenizer for structured outputs and stop
+    strings, and gets the reasoning parser, which structured outputs use to wait for the end of
+    reasoning. ``extra_engine_args`` become ``--flag value`` (``True``: a bare
+    flag; lists and dicts: JSON).
+    """
+    eng = args.engine
+    argv = ["--model", model.model_dir, "--max-model-len", str(model.max_model_len)]
+    if eng.tokens_only:
+        argv += ["--tokens-only"]
+    else:
+        argv += ["--tokenizer", model.tokenizer_dir, "--enable-scale-out"]
+        if args.reasoning_parser:  # structured outputs start once reasoning has ended, as in `vllm serve`
+            argv += ["--reasoning-parser", args.reasoning_parser]
+    argv += ["--served-model-name", *model.served_model_names, "--max-logprobs", str(args.max_logprobs)]
+    argv += ["--dtype", eng.dtype, "--max-num-seqs", str(eng.max_num_seqs)]
+    if eng.enforce_eager:
+        argv += ["--enforce-eager"]
+    if eng.kv_cache_memory_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(eng.kv_cache_memory_bytes)]
+    if eng.logits_processors:
+        argv += ["--logits-processors", *eng.logits_processors]
+    for key, value in eng.extra_engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:
+            argv += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return argv
+
+
+class EngineState:
+    """vLLM's engine objects for one model: the ``AsyncLLM`` (``engine_client``) and the
+    ``ServingTokens`` behind ``/inference/v1/generate`` (``serving_tokens``)."""
+
+    def __init__(self, engine_client: Any, state: Any) -> None:
+        self.engine_client = engine_client
+        self.serving_tokens = state.serving_tokens
+        self.vllm_config = engine_client.vllm_config
+
+    def generate_request_model(self) -> Any:
+        from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+
+        return GenerateRequest
+
+    def error_response_model(self) -> Any:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        return ErrorResponse
+
+    def shutdown(self) -> None:
+        self.engine_client.shutdown()
+
+
+async def build_engine_state(args: AppArgs, model: ResolvedModel) -> EngineState:
+    """Start an ``AsyncLLM`` and the app state exactly as ``vllm serve --tokens-only`` does
+    (``build_async_engine_client_from_engine_args`` + ``init_app_state``), minus the HTTP server."""
+    _patch_vllm_version()
+    from starlette.datastructures import State
+    from vllm import AsyncEngineArgs
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    ns = parser.parse_args(engine_cli_args(args, model))
+    validate_parsed_serve_args(ns)
+    engine_args = AsyncEngineArgs.from_cli_args(ns)
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    engine = AsyncLLM.from_vllm_config(
+        vllm_config=vllm_config,
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        enable_log_requests=engine_args.enable_log_requests,
+        aggregate_engine_logging=engine_args.aggregate_engine_logging,
+        disable_log_stats=engine_args.disable_log_stats,
+    )
+    try:
+        await engine.reset_mm_cache()
+        state = State()
+        await init_app_state(engine, state, ns, await engine.get_supported_tasks())
+    except BaseException:
+        engine.shutdown()
+        raise
+    return EngineState(engine, state)

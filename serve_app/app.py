@@ -50,4 +50,11 @@ def build_app(args: AppArgs) -> Application:
         if args.has_parser
         else None
     )
-    return Ingress.options(**options(Ingress, args.deployments.ingress)).bind(args, model, render, plain, parser)
+    engine = None
+    if args.engine.enabled:
+        from serve_app.engine import Engine
+
+        engine = Engine.options(**options(Engine, args.deployments.engine)).bind(args, model)
+    return Ingress.options(**options(Ingress, args.deployments.ingress)).bind(
+        args, model, render, plain, parser, engine=engine
+    )

@@ -7,7 +7,9 @@ deployments by handle; the ingress itself stays free of vLLM and tokenizers.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import json
 import re
 import secrets
 import time
@@ -103,6 +105,78 @@ def _as_coroutine(fn: Any) -> Any:
     return call
 
 
+async def _handle_stream(gen: Any) -> Any:
+    """A streaming handle call as an async iterator whose ``aclose()`` cancels the call downstream
+    (client disconnect -> the engine aborts the request)."""
+    try:
+        async for item in gen:
+            yield item
+    finally:
+        gen.cancel()
+
+
+async def _sse_response(frames: Any, encode: Any = None) -> Any:
+    """``text/event-stream`` over an async iterator, its first item awaited before the 200 is committed."""
+    from fastapi.responses import StreamingResponse
+
+    try:
+        first = await frames.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await frames.aclose()
+        raise
+
+    async def body() -> Any:
+        try:
+            if first is not None:
+                yield encode(first) if encode else first
+            async for item in frames:
+                yield encode(item) if encode else item
+        finally:
+            await frames.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _compose(args: AppArgs, model: ResolvedModel, render: Any, plain_derender: Any, engine: Any) -> Any:
+    """The composed OpenAI endpoints' core, with derender in this replica (one Serve hop per token)."""
+    from serve_app.compose import ComposedService, Stages
+    from serve_app.derender.plain import build_plain_service
+
+    plain = plain_derender._service if isinstance(plain_derender, InProcess) else build_plain_service(args, model)
+    if args.has_parser:
+        from serve_app.derender.parser import build_parser_service
+
+        chat = await build_parser_service(args, model)
+    else:
+        chat = plain
+    generate_stream = engine.options(stream=True, method_name="generate_stream")
+    stages = Stages(
+        render_chat=lambda body, rid: render.chat.remote(body, rid),
+        render_completion=lambda body, rid: render.completion.remote(body, rid),
+        generate=lambda body: engine.generate.remote(body),
+        generate_stream=lambda body: _handle_stream(generate_stream.remote(body)),
+    )
+    return ComposedService(stages, chat, plain, _eos_token_id(model.tokenizer_dir))
+
+
+def _eos_token_id(tokenizer_dir: str) -> int | None:
+    """The Hugging Face tokenizer's ``eos_token`` id, read from its files (no transformers here)."""
+    from pathlib import Path
+
+    cfg_path = Path(tokenizer_dir, "tokenizer_config.json")
+    if not cfg_path.is_file():
+        return None
+    eos = json.loads(cfg_path.read_text()).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not eos:
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(tokenizer_dir, "tokenizer.json"))).token_to_id(eos)
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(api)
 class Ingress:
@@ -123,6 +197,7 @@ class Ingress:
         render: Any,
         plain_derender: Any,
         parser_derender: Any | None,
+        engine: Any | None = None,
     ) -> None:
         self.args = args
         self.model = model
@@ -143,6 +218,10 @@ class Ingress:
         # as in vLLM; completions derender never parses.
         self.chat_derender = parser_derender if args.has_parser else plain_derender
         self._created = int(time.time())
+        self.engine = engine
+        self._engine_sse = engine.options(stream=True, method_name="generate_sse") if engine is not None else None
+        self._background: set[asyncio.Task] = set()
+        self.composed = await _compose(args, model, self.render, plain_derender, engine) if engine is not None else None
         # Added here, not at import, because the limit is configuration.
         api.user_middleware.clear()
         api.add_middleware(BodySizeLimitMiddleware, max_bytes=args.limits.max_body_bytes)
@@ -246,6 +325,73 @@ class Ingress:
     @api.post("/detokenize")
     async def detokenize(self, request: Request) -> Response:
         return await self._to_render(request, "detokenize")
+
+    # --- engine: /inference/v1/generate as `vllm serve --tokens-only`, and the composed OpenAI API ---
+
+    def _require_engine(self) -> Any:
+        if self.engine is None:  # as a server without these routes: the 404 envelope
+            raise StarletteHTTPException(404, "Not Found")
+        return self.engine
+
+    @api.post("/inference/v1/generate")
+    async def generate(self, request: Request) -> Response:
+        engine = self._require_engine()
+        check_json_content_type(request.headers.get("content-type"))
+        from serve_app.engine import forwarded_headers
+        from serve_app.wire import load_body
+
+        raw = await request.body()
+        data = load_body(raw)
+        headers = forwarded_headers(request.headers)
+        if not (isinstance(data, dict) and data.get("stream")):
+            out = await engine.generate.remote(data if isinstance(data, dict) else raw, headers)
+            return Response(out, media_type="application/json")
+        frames = _handle_stream(self._engine_sse.remote(data, headers))
+        return await _sse_response(frames, encode=str.encode)
+
+    async def _abort(self, request: Request) -> Response:
+        engine = self._require_engine()
+        try:
+            body = json.loads(await request.body())
+        except json.JSONDecodeError as exc:
+            raise StarletteHTTPException(400, f"JSON decode error: {exc}") from None
+        request_ids = body.get("request_ids") if isinstance(body, dict) else None
+        if request_ids is None:
+            raise StarletteHTTPException(400, "Missing 'request_ids' in request body")
+        # Every engine replica gets it (only the one running a request has it); in the background, as vLLM.
+        task = asyncio.create_task(engine.broadcast("abort", request_ids).results_async())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return Response(status_code=200)
+
+    @api.post("/inference/v1/abort_requests")
+    async def abort_requests(self, request: Request) -> Response:
+        return await self._abort(request)
+
+    @api.post("/abort_requests")
+    async def abort_requests_legacy(self, request: Request) -> Response:
+        return await self._abort(request)
+
+    async def _composed(self, request: Request, method: str) -> Response:
+        self._require_engine()
+        check_json_content_type(request.headers.get("content-type"))
+        from serve_app.wire import load_body
+
+        body = load_body(await request.body())
+        if not isinstance(body, dict):  # the render stage words the 400 exactly as vLLM
+            await getattr(self.render, "chat" if method == "chat" else "completion").remote(body)
+        out = await getattr(self.composed, method)(body, request.headers.get("x-request-id"))
+        if isinstance(out, (bytes, bytearray)):
+            return Response(out, media_type="application/json")
+        return await _sse_response(out)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._composed(request, "chat")
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._composed(request, "completion")
 
     @api.get("/metrics")
     async def prometheus(self) -> Response:

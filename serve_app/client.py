@@ -1,0 +1,178 @@
+"""A small typed client for the graph's stages by handle: render, generate, derender, and the three composed.
+
+For another Ray deployment (or a driver) in the same cluster; nothing goes over HTTP. Every method
+is async and takes / returns vLLM 0.32's wire shapes::
+
+    client = ServeAppClient("serve_app")
+    gen = await client.render_chat({"messages": [{"role": "user", "content": "Hi"}]})  # GenerateRequest dict
+    out = await client.generate(gen)                                                    # GenerateTokensResponse
+    chat = await client.derender_chat(out, chat_request=..., prompt_token_ids=gen["token_ids"])
+    # or all three:
+    chat = await client.chat({"messages": [...]})
+    async for chunk in client.chat_stream({"messages": [...]}):   # chat.completion.chunk dicts
+        ...
+
+Streaming derender by handle carries vLLM's ``stream_state`` between calls (and, with parsers, sets
+``session_id`` so a stream's chunks meet their live parser in ``ParserDerender``). Errors raised in a
+deployment arrive as :class:`~serve_app.errors.ApiError` (unwrapped from Ray's wrapper).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from serve_app.errors import ApiError
+from serve_app.protocol import GenerateTokensResponse, GenerateTokensStreamResponse
+
+__all__ = ["ServeAppClient"]
+
+GenerateRequestDict = dict[str, Any]
+"""vLLM's ``GenerateRequest`` as JSON: ``token_ids``, ``sampling_params``, ``request_id``, ``stream``, ..."""
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, ApiError) else exc
+
+
+class ServeAppClient:
+    """Handles to one ``serve_app`` application's deployments, looked up once.
+
+    Args:
+        app_name: the Serve application (``serve_app`` in ``serve_config.yaml``).
+    """
+
+    def __init__(self, app_name: str = "serve_app") -> None:
+        from ray import serve
+
+        self.app_name = app_name
+        self._get = lambda name: serve.get_deployment_handle(name, app_name=app_name)
+        self.render = self._get("Render")
+        self.engine = self._get("Engine")
+        self.plain_derender = self._get("PlainDerender")
+        self._engine_stream = self.engine.options(stream=True, method_name="generate_stream")
+        self._parser: Any = None
+        self._has_parser: bool | None = None
+
+    def _chat_derender(self) -> tuple[Any, bool]:
+        if self._has_parser is None:
+            from ray import serve
+
+            deployments = serve.status().applications[self.app_name].deployments
+            self._has_parser = "ParserDerender" in deployments
+            if self._has_parser:
+                self._parser = self._get("ParserDerender")
+        return (self._parser if self._has_parser else self.plain_derender), bool(self._has_parser)
+
+    async def _call(self, response: Any) -> Any:
+        try:
+            return await response
+        except Exception as exc:
+            raise _unwrap(exc) from None
+
+    # --- stages ---------------------------------------------------------------------------------
+
+    async def render_chat(self, chat_request: dict[str, Any], request_id: str | None = None) -> GenerateRequestDict:
+        """``/v1/chat/completions/render``: the request's prompt token ids and sampling params."""
+        return json.loads(await self._call(self.render.chat.remote(chat_request, request_id)))
+
+    async def render_completion(
+        self, completion_request: dict[str, Any], request_id: str | None = None
+    ) -> list[GenerateRequestDict]:
+        """``/v1/completions/render``: one ``GenerateRequest`` per prompt."""
+        return json.loads(await self._call(self.render.completion.remote(completion_request, request_id)))
+
+    async def generate(self, generate_request: GenerateRequestDict) -> GenerateTokensResponse:
+        """``/inference/v1/generate`` without streaming (``stream`` is ignored)."""
+        raw = await self._call(self.engine.generate.remote(generate_request))
+        return GenerateTokensResponse.model_validate_json(raw)
+
+    async def generate_stream(self, generate_request: GenerateRequestDict) -> AsyncIterator[GenerateTokensStreamResponse]:
+        """``/inference/v1/generate`` streaming: one chunk per engine step and choice, then the usage
+        chunk when ``stream_options.include_usage``. Closing the iterator aborts the engine request."""
+        gen = self._engine_stream.remote(generate_request)
+        try:
+            async for chunk in gen:
+                yield GenerateTokensStreamResponse.model_validate(chunk)
+        except Exception as exc:
+            raise _unwrap(exc) from None
+        finally:
+            gen.cancel()
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort engine requests (ids as the engine names them: ``generate-tokens-<id>``) on every replica."""
+        await self.engine.broadcast("abort", request_ids).results_async()
+
+    async def derender_chat(
+        self,
+        generate_response: GenerateTokensResponse | dict[str, Any],
+        *,
+        chat_request: dict[str, Any] | None,
+        prompt_token_ids: list[int] | None,
+    ) -> dict[str, Any]:
+        """``/v1/chat/completions/derender`` (non-streaming): a ``chat.completion`` dict."""
+        target, _ = self._chat_derender()
+        body = {
+            "generate_response": _as_dict(generate_response),
+            "chat_request": chat_request,
+            "prompt_token_ids": prompt_token_ids,
+            "prompt_tokens": len(prompt_token_ids) if prompt_token_ids is not None else None,
+        }
+        return json.loads(await self._call(target.chat.remote(body)))
+
+    async def derender_completion(
+        self,
+        generate_responses: list[GenerateTokensResponse | dict[str, Any]],
+        *,
+        completion_request: dict[str, Any] | None,
+        prompt_token_ids: list[list[int]] | None,
+    ) -> dict[str, Any]:
+        """``/v1/completions/derender`` (non-streaming): a ``text_completion`` dict."""
+        body = {
+            "generate_responses": [_as_dict(r) for r in generate_responses],
+            "completion_request": completion_request,
+            "prompt_token_ids": prompt_token_ids,
+            "prompt_tokens": [len(p) for p in prompt_token_ids] if prompt_token_ids is not None else None,
+        }
+        return json.loads(await self._call(self.plain_derender.completion.remote(body)))
+
+    # --- the three composed ---------------------------------------------------------------------
+
+    async def chat(self, chat_request: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
+        """Render, generate and derender one chat request: what ``/v1/chat/completions`` returns."""
+        gen = await self.render_chat(chat_request, request_id)
+        response = (await self.generate(gen)).model_dump()
+        response["request_id"] = gen["request_id"]
+        return await self.derender_chat(response, chat_request=chat_request, prompt_token_ids=gen["token_ids"])
+
+    async def chat_stream(self, chat_request: dict[str, Any], request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Render, then stream generate and derender chunk by chunk: ``chat.completion.chunk`` dicts
+        (``stream`` and ``stream_options`` of ``chat_request`` apply)."""
+        chat_request = {**chat_request, "stream": True}
+        gen = await self.render_chat(chat_request, request_id)
+        target, parsers = self._chat_derender()
+        if parsers:  # the replica holding this stream's parser session answers its chunks
+            target = target.options(session_id=gen["request_id"])
+        states: dict[int, Any] = {}
+        prompt_ids = gen["token_ids"]
+        async for chunk in self.generate_stream(gen):
+            payload = chunk.model_dump(exclude_none=True)
+            payload["request_id"] = gen["request_id"]
+            index = chunk.choices[0].index if chunk.choices else 0
+            body = {
+                "stream": True,
+                "generate_chunk": payload,
+                "stream_state": states.get(index),
+                "chat_request": chat_request,
+                "prompt_token_ids": prompt_ids,
+                "prompt_tokens": len(prompt_ids),
+            }
+            out = json.loads(await self._call(target.chat.remote(body)))
+            states[index] = out["stream_state"]
+            yield out["chunk"]
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    return value.model_dump() if hasattr(value, "model_dump") else value

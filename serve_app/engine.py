@@ -1,0 +1,201 @@
+"""``Engine``: vLLM's ``AsyncLLM`` as a token-in / token-out engine (``vllm serve --tokens-only``).
+
+The work is vLLM's own: :func:`serve_app._vllm.build_engine_state` builds what ``vllm serve
+--tokens-only`` builds, and :class:`EngineService` serves ``GenerateRequest`` bodies through vLLM's
+``ServingTokens``, so responses, SSE frames, defaults (``max_tokens``) and errors are those of
+``/inference/v1/generate``. What this module adds is the shell: raw JSON or dicts in, typed
+:class:`~serve_app.errors.ApiError` out, three call shapes (JSON bytes, SSE frames, parsed chunk
+dicts) and an abort.
+
+Cancellation: a cancelled call (client disconnect, ``DeploymentResponseGenerator.cancel()``) raises
+``CancelledError`` inside vLLM's result generator, and ``AsyncLLM.generate`` aborts the request.
+
+On a GPU cluster the deployment takes ``ray_actor_options: {num_gpus: 1}`` (``configs/``); here it
+runs on vLLM's CPU backend.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from types import SimpleNamespace
+from typing import Any
+
+from ray import serve
+
+from serve_app._vllm import call_vllm
+from serve_app.config import AppArgs, ResolvedModel
+from serve_app.errors import ApiError
+from serve_app.wire import dump_json, load_body, validate_model
+
+__all__ = ["Engine", "EngineService", "EngineStreamError"]
+
+_DONE = "data: [DONE]\n\n"
+_FORWARDED_HEADERS = ("x-request-id", "x-data-parallel-rank", "x-session-id")
+
+
+class EngineStreamError(ApiError):
+    """vLLM sent ``data: {"error": ...}`` in the middle of a stream (the stream is over)."""
+
+
+class _RawRequest:
+    """What vLLM's ``ServingTokens`` reads from a Starlette request: headers and ``state``."""
+
+    def __init__(self, headers: Mapping[str, str] | None) -> None:
+        from starlette.datastructures import Headers
+
+        self.headers = Headers(headers=dict(headers or {}))  # case-insensitive, as Starlette's
+        self.state = SimpleNamespace()
+
+
+def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The request headers ``/inference/v1/generate`` honours (request id, DP rank, session)."""
+    return {k: v for k in _FORWARDED_HEADERS if (v := headers.get(k)) is not None}
+
+
+def parse_sse_frame(frame: str) -> dict[str, Any] | None:
+    """One ``data: {...}\\n\\n`` frame -> its JSON object; ``None`` for ``[DONE]``.
+
+    Raises:
+        EngineStreamError: the frame is vLLM's mid-stream ``{"error": ...}``.
+    """
+    payload = frame[6:].strip() if frame.startswith("data: ") else frame.strip()
+    if payload == "[DONE]":
+        return None
+    chunk = json.loads(payload)
+    if "error" in chunk and "choices" not in chunk:
+        err = chunk["error"]
+        raise EngineStreamError(
+            err.get("message", "engine error"),
+            param=err.get("param"),
+            status_code=int(err.get("code") or 500),
+            err_type=err.get("type") or "InternalServerError",
+        )
+    return chunk
+
+
+class EngineService:
+    """Ray-free core: ``GenerateRequest`` JSON in, vLLM's ``/inference/v1/generate`` output out."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.serving = state.serving_tokens
+        self.engine = state.engine_client
+        self._request = state.generate_request_model()
+        self._error_cls = state.error_response_model()
+
+    @classmethod
+    async def create(cls, args: AppArgs, model: ResolvedModel) -> EngineService:
+        from serve_app._vllm import build_engine_state
+
+        return cls(await build_engine_state(args, model))
+
+    async def _serve(self, body: bytes | dict, stream: bool | None, headers: Mapping[str, str] | None) -> Any:
+        """Validate and start one request; returns vLLM's response model or its SSE generator."""
+
+        async def start() -> Any:
+            data = load_body(body)
+            if stream is not None and isinstance(data, dict):
+                data = {**data, "stream": stream}
+            request = validate_model(self._request, data)
+            return await self.serving.serve_tokens(request, _RawRequest(headers))
+
+        return await call_vllm(start(), self._error_cls)
+
+    async def generate(self, body: bytes | dict, headers: Mapping[str, str] | None = None) -> bytes:
+        """Non-streaming generate (``stream`` is forced off): the ``GenerateTokensResponse`` JSON bytes."""
+        response = await self._serve(body, False, headers)
+        return dump_json(response.model_dump())
+
+    async def generate_sse(
+        self, body: bytes | dict, headers: Mapping[str, str] | None = None
+    ) -> AsyncIterator[str]:
+        """Streaming generate, vLLM's SSE frames as they are (``data: {...}\\n\\n`` ... ``data: [DONE]``).
+
+        Errors before the first frame raise :class:`ApiError`; later ones arrive as vLLM's error frame.
+        """
+        frames = await self._serve(body, True, headers)
+        async for frame in frames:
+            yield frame
+
+    async def generate_stream(
+        self, body: bytes | dict, headers: Mapping[str, str] | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Streaming generate as parsed chunk dicts (``GenerateTokensStreamResponse``); no ``[DONE]``.
+
+        Raises:
+            ApiError: before the first chunk (validation, model, admission).
+            EngineStreamError: vLLM reported an error mid-stream.
+        """
+        frames = await self._serve(body, True, headers)
+        async for frame in frames:
+            chunk = parse_sse_frame(frame)
+            if chunk is not None:
+                yield chunk
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort running requests by engine request id (``generate-tokens-...``); unknown ids are ignored."""
+        await self.engine.abort(request_ids)
+
+    def num_unfinished_requests(self) -> int:
+        return self.engine.output_processor.get_num_unfinished_requests()
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    def shutdown(self) -> None:
+        self.state.shutdown()
+
+
+@serve.deployment(name="Engine")
+class Engine:
+    """Serve shell over :class:`EngineService`. By handle::
+
+        engine = serve.get_deployment_handle("Engine", app_name="serve_app")
+        response = json.loads(await engine.generate.remote({"token_ids": [...], "sampling_params": {...}}))
+        async for chunk in engine.options(stream=True).generate_stream.remote(generate_request):
+            ...  # GenerateTokensStreamResponse dicts, one choice each
+    """
+
+    @staticmethod
+    def deployment_options(args: AppArgs) -> dict[str, Any]:
+        return {
+            # Above max_num_seqs so vLLM's scheduler, not Serve, queues: it batches what it holds.
+            "max_ongoing_requests": max(64, 4 * args.engine.max_num_seqs),
+            "ray_actor_options": {"num_cpus": 1},
+            "health_check_period_s": 10,
+            "health_check_timeout_s": 30,
+            # Starting an engine (weights, KV cache, warm-up) takes far longer than a CPU stage.
+            "graceful_shutdown_timeout_s": 30,
+        }
+
+    async def __init__(self, args: AppArgs, model: ResolvedModel) -> None:
+        self.service = await EngineService.create(args, model)
+
+    async def generate(self, body: bytes | dict, headers: dict[str, str] | None = None) -> bytes:
+        return await self.service.generate(body, headers)
+
+    async def generate_sse(self, body: bytes | dict, headers: dict[str, str] | None = None) -> AsyncIterator[str]:
+        async for frame in self.service.generate_sse(body, headers):
+            yield frame
+
+    async def generate_stream(
+        self, body: bytes | dict, headers: dict[str, str] | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        async for chunk in self.service.generate_stream(body, headers):
+            yield chunk
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self.service.abort(request_ids)
+
+    async def stats(self) -> dict[str, Any]:
+        """Requests this replica's engine still holds (0 once every stream ended or was aborted)."""
+        return {"num_unfinished_requests": self.service.num_unfinished_requests()}
+
+    async def check_health(self) -> None:
+        await self.service.check_health()
+
+    def __del__(self) -> None:
+        service = getattr(self, "service", None)
+        if service is not None:
+            service.shutdown()

@@ -1,0 +1,86 @@
+"""``serve_app.client``: render, generate and derender by handle, from the driver and from the
+documented example deployment (``examples/by_handle.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serve_app.testing.scripted import SCRIPT_KEY
+
+TOOL_SCRIPT = '<think>\nweather lookup\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+
+
+@pytest.fixture(scope="module")
+def tool_script() -> list[int]:
+    from transformers import AutoTokenizer
+
+    from serve_app.models import ensure_model
+
+    return AutoTokenizer.from_pretrained(str(ensure_model("qwen3-tiny"))).encode(TOOL_SCRIPT, add_special_tokens=False)
+
+
+def test_stages_by_handle(engine_app_url):
+    from serve_app.client import ServeAppClient
+
+    async def run() -> tuple:
+        client = ServeAppClient("engine_app")
+        request = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "temperature": 0}
+        gen = await client.render_chat(request)
+        out = await client.generate(gen)
+        chunks = [c async for c in client.generate_stream(gen)]
+        chat = await client.derender_chat(out, chat_request=request, prompt_token_ids=gen["token_ids"])
+        composed = await client.chat(request)
+        streamed = [c async for c in client.chat_stream(request)]
+        completion_gens = await client.render_completion({"prompt": ["a", "b c"], "max_tokens": 3, "temperature": 0})
+        outs = [await client.generate(g) for g in completion_gens]
+        completion = await client.derender_completion(
+            outs, completion_request={"prompt": ["a", "b c"]}, prompt_token_ids=[g["token_ids"] for g in completion_gens]
+        )
+        return gen, out, chunks, chat, composed, streamed, completion
+
+    gen, out, chunks, chat, composed, streamed, completion = asyncio.run(run())
+    assert gen["token_ids"][-3:] == [151644, 77091, 198]
+    assert len(out.choices[0].token_ids) == 6
+    assert [t for c in chunks for ch in c.choices for t in ch.token_ids or []] == out.choices[0].token_ids
+    assert chat["object"] == composed["object"] == "chat.completion"
+    assert chat["choices"][0]["message"] == composed["choices"][0]["message"]  # greedy: same tokens
+    assert composed["id"] == gen["request_id"] or composed["id"].startswith("chatcmpl-")
+    text = "".join((c["choices"][0]["delta"].get("content") or "") + (c["choices"][0]["delta"].get("reasoning") or "")
+                   for c in streamed if c["choices"])
+    message = composed["choices"][0]["message"]
+    assert text == (message["content"] or "") + (message["reasoning"] or "")
+    assert [c["index"] for c in completion["choices"]] == [0, 1]
+    assert completion["usage"]["completion_tokens"] == 6
+
+
+def test_errors_by_handle_are_api_errors(engine_app_url):
+    from serve_app.client import ServeAppClient
+    from serve_app.errors import ApiError
+
+    async def run() -> None:
+        await ServeAppClient("engine_app").generate({"token_ids": [], "sampling_params": {}})
+
+    with pytest.raises(ApiError) as info:
+        asyncio.run(run())
+    assert info.value.status_code == 400
+
+
+def test_example_deployment(engine_app_url, tool_script):
+    from ray import serve
+
+    from examples.by_handle import Assistant
+
+    handle = serve.run(Assistant.bind("engine_app"), name="assistant", route_prefix=None)
+    try:
+        answer = handle.ask.remote("Weather in Paris?", temperature=0, vllm_xargs={SCRIPT_KEY: tool_script}).result(timeout_s=120)
+        assert answer["tool_calls"] == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+        assert answer["finish_reason"] == "tool_calls"
+        assert answer["reasoning"] == "\nweather lookup\n"
+        assert answer["usage"]["completion_tokens"] == len(tool_script)
+        hello_ids = [151667, 198, 151668, 271, 9707, 1879, 151645]  # "<think>\n</think>\n\nHello world<|im_end|>"
+        hello = handle.ask_stream.remote("Hi", temperature=0, vllm_xargs={SCRIPT_KEY: hello_ids}).result(timeout_s=120)
+        assert hello.lstrip("\n") == "Hello world"  # vLLM's qwen3 parser keeps the "\n\n" after </think>
+    finally:
+        serve.delete("assistant")
