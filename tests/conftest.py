@@ -38,7 +38,7 @@ def ray_cluster() -> Iterator[None]:
     """
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="serve_app_tests")
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="serve_app_tests")
     yield
     ray.shutdown()
 

@@ -35,9 +35,12 @@ OUR_URL_FIXTURE = {"qwen3-tiny": "app_url", "deepseek-v4": "deepseek_url", "mist
 ORACLE_FIXTURE = {"qwen3-tiny": "qwen3_oracle", "deepseek-v4": "deepseek_oracle", "mistral-sp": "mistral_oracle"}
 
 
-@pytest.fixture(scope="session")
-def deepseek_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
-    return deploy_app(
+# Package-scoped and deleted afterwards: the engine tests later in the session need the room.
+@pytest.fixture(scope="package")
+def deepseek_url(serve_instance: None, model_dirs: dict[str, Path]) -> Iterator[str]:
+    from ray import serve
+
+    yield deploy_app(
         "deepseek",
         "/deepseek",
         model="deepseek-v4",
@@ -45,11 +48,15 @@ def deepseek_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
         reasoning_parser="deepseek_v3",
         enable_auto_tool_choice=True,
     )
+    serve.delete("deepseek")
 
 
-@pytest.fixture(scope="session")
-def mistral_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
-    return deploy_app("mistral", "/mistral", model="mistral-sp")
+@pytest.fixture(scope="package")
+def mistral_url(serve_instance: None, model_dirs: dict[str, Path]) -> Iterator[str]:
+    from ray import serve
+
+    yield deploy_app("mistral", "/mistral", model="mistral-sp")
+    serve.delete("mistral")
 
 
 def _oracle(name: str, model_dirs: dict[str, Path]) -> Iterator[VllmRenderOracle]:

@@ -34,9 +34,12 @@ OUTPUT = (
 
 
 @pytest.fixture(scope="module")
-def scaling_app(serve_instance, model_dirs) -> str:
-    """qwen3-tiny with hermes + qwen3, ParserDerender autoscaled 1 -> 2 on one ongoing request."""
-    return deploy_app(
+def scaling_app(serve_instance, model_dirs):
+    """qwen3-tiny with hermes + qwen3, ParserDerender autoscaled 1 -> 2 on one ongoing request;
+    deleted after the module so later tests have the room."""
+    from ray import serve
+
+    yield deploy_app(
         "parser_scaling",
         "/parser_scaling",
         model="qwen3-tiny",
@@ -57,6 +60,7 @@ def scaling_app(serve_instance, model_dirs) -> str:
             }
         },
     )
+    serve.delete("parser_scaling")
 
 
 @pytest.fixture(scope="module")
