@@ -54,45 +54,14 @@ async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-class _CarriedStateStream:
-    """A derender stream over a service's HTTP-shaped API (``chat`` / ``completion`` with
-    ``stream_state``), for services without ``open_chat_stream`` / ``open_completion_stream``: the
-    state is carried here, in memory, instead of by a client."""
-
-    __slots__ = ("_call", "_fixed", "_state")
-
-    def __init__(self, call: Callable[[dict], Any], fixed: dict[str, Any]) -> None:
-        self._call = call
-        self._fixed = fixed
-        self._state: dict[str, Any] | None = None
-
-    async def feed(self, generate_chunk: dict[str, Any]) -> dict[str, Any]:
-        body = {**self._fixed, "generate_chunk": generate_chunk, "stream_state": self._state}
-        out = json.loads(await _maybe_await(self._call(body)))
-        self._state = out["stream_state"]
-        return out["chunk"]
-
-
 def open_derender_stream(
     service: Any, kind: str, request: dict[str, Any], prompt_token_ids: list[int], prompt_tokens: int
 ) -> Any:
-    """One choice's derender session: ``await feed(session, generate_chunk) -> chunk dict``.
-
-    The one place that knows the derender services' streaming surface: the in-memory sessions
-    (``open_chat_stream`` / ``open_completion_stream``) when the service has them, else its
-    HTTP-shaped ``chat`` / ``completion`` with the stream state carried in memory.
-    """
+    """One choice's in-memory derender session (``feed(generate_chunk) -> chunk dict``)."""
     if kind == "chat":
-        opener = getattr(service, "open_chat_stream", None)
-        if opener is not None:
-            return opener(request, prompt_token_ids, prompt_tokens)
-        fixed = {"chat_request": request, "prompt_token_ids": prompt_token_ids, "prompt_tokens": prompt_tokens}
-        return _CarriedStateStream(service.chat, {**fixed, "stream": True})
-    opener = getattr(service, "open_completion_stream", None)
-    if opener is not None:
-        return opener(request, prompt_token_ids)
-    fixed = {"completion_request": request, "prompt_token_ids": prompt_token_ids, "prompt_tokens": prompt_tokens}
-    return _CarriedStateStream(service.completion, {**fixed, "stream": True})
+        return service.open_chat_stream(request, prompt_token_ids, prompt_tokens)
+    # No prompt_tokens: a multi-prompt usage chunk carries the sum over prompts, which must win.
+    return service.open_completion_stream(request, prompt_token_ids)
 
 
 async def feed(session: Any, generate_chunk: dict[str, Any]) -> dict[str, Any]:

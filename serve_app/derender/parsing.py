@@ -28,7 +28,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from serve_app.derender.detokenize import DetokWindow, detokenize_delta, seed_window
 from serve_app.derender.logprobs import context_tail, resolve_logprobs
-from serve_app.derender.service import PlainDerenderService, _dump, _prompt_logprobs, _stream_usage, _usage
+from serve_app.derender.service import PlainDerenderService, _dump, _stream_usage, _usage, chat_response
 from serve_app.derender.sessions import SessionCache, state_digest
 from serve_app.errors import ApiError, BadRequestError, validation_error
 from serve_app.protocol import (
@@ -236,24 +236,7 @@ class ParserDerenderService(PlainDerenderService):
         usage = _usage(prompt_tokens, completion_tokens)
         if self.kit.has_reasoning_parser:  # as vllm serve
             usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-        return dump_json(
-            {
-                "id": gen.request_id,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": model,
-                "choices": choices,
-                "service_tier": None,
-                "system_fingerprint": None,
-                "usage": usage,
-                "prompt_logprobs": _prompt_logprobs(gen),
-                "prompt_token_ids": None,
-                "prompt_text": None,
-                "kv_transfer_params": gen.kv_transfer_params,
-                "ec_transfer_params": None,
-                "metrics": _dump(gen.metrics),
-            }
-        )
+        return chat_response(gen, model, choices, usage)
 
     def _whole_choice(self, choice: Any, config: RequestConfig, prompt_ids: list[int]) -> tuple[dict[str, Any], int]:
         """One choice as ``vllm serve``'s ``chat_completion_full_generator`` builds it, and its

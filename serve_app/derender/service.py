@@ -220,24 +220,7 @@ class PlainDerenderService:
             )
         prompt_tokens = request.prompt_tokens if request.prompt_tokens is not None else 0
         completion_tokens = sum(len(c.token_ids) for c in gen.choices if c.token_ids)
-        return dump_json(
-            {
-                "id": gen.request_id,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": model,
-                "choices": choices,
-                "service_tier": None,
-                "system_fingerprint": None,
-                "usage": _usage(prompt_tokens, completion_tokens),
-                "prompt_logprobs": _prompt_logprobs(gen),
-                "prompt_token_ids": None,
-                "prompt_text": None,
-                "kv_transfer_params": gen.kv_transfer_params,
-                "ec_transfer_params": None,
-                "metrics": _dump(gen.metrics),
-            }
-        )
+        return chat_response(gen, model, choices, _usage(prompt_tokens, completion_tokens))
 
     def _chat_stream(self, request: DerenderChatStreamRequest) -> dict[str, Any]:
         model = self._model_name(request.model)
@@ -428,6 +411,28 @@ class PlainStream:
         out = self._step(request)
         self.state = out["stream_state"]
         return out["chunk"]
+
+
+def chat_response(gen: GenerateTokensResponse, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]) -> bytes:
+    """A non-streaming ``ChatCompletionResponse`` as vLLM serialises it (its key order)."""
+    return dump_json(
+        {
+            "id": gen.request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": usage,
+            "prompt_logprobs": _prompt_logprobs(gen),
+            "prompt_token_ids": None,
+            "prompt_text": None,
+            "kv_transfer_params": gen.kv_transfer_params,
+            "ec_transfer_params": None,
+            "metrics": _dump(gen.metrics),
+        }
+    )
 
 
 def _prompt_logprobs(gen: GenerateTokensResponse) -> Any:
