@@ -12,9 +12,9 @@ is async and takes / returns vLLM 0.32's wire shapes::
     async for chunk in client.chat_stream({"messages": [...]}):   # chat.completion.chunk dicts
         ...
 
-Streaming derender by handle carries vLLM's ``stream_state`` between calls (and, with parsers, sets
-``session_id`` so a stream's chunks meet their live parser in ``ParserDerender``). Errors raised in a
-deployment arrive as :class:`~serve_app.errors.ApiError` (unwrapped from Ray's wrapper).
+``chat`` and ``chat_stream`` run the Ingress's composition, the code behind ``/v1/chat/completions``,
+so they answer exactly what that route answers. Errors raised in a deployment arrive as
+:class:`~serve_app.errors.ApiError` (unwrapped from Ray's wrapper).
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ class ServeAppClient:
         self.render = self._get("Render")
         self.engine = self._get("Engine")
         self.plain_derender = self._get("PlainDerender")
+        self.ingress = self._get("Ingress")
+        self._composed_stream = self.ingress.options(stream=True, method_name="composed_chat_stream")
         self._engine_stream = self.engine.options(stream=True, method_name="generate_stream")
         self._parser: Any = None
         self._has_parser: bool | None = None
@@ -139,39 +141,25 @@ class ServeAppClient:
         return json.loads(await self._call(self.plain_derender.completion.remote(body)))
 
     # --- the three composed ---------------------------------------------------------------------
+    # Served by the Ingress's own composition (serve_app/compose.py), the code behind
+    # /v1/chat/completions: the same stop-reason mapping, engine request and derender, no copy here.
 
     async def chat(self, chat_request: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
         """Render, generate and derender one chat request: what ``/v1/chat/completions`` returns."""
-        gen = await self.render_chat(chat_request, request_id)
-        response = (await self.generate(gen)).model_dump()
-        response["request_id"] = gen["request_id"]
-        return await self.derender_chat(response, chat_request=chat_request, prompt_token_ids=gen["token_ids"])
+        return json.loads(await self._call(self.ingress.composed_chat.remote(chat_request, request_id)))
 
     async def chat_stream(self, chat_request: dict[str, Any], request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        """Render, then stream generate and derender chunk by chunk: ``chat.completion.chunk`` dicts
-        (``stream`` and ``stream_options`` of ``chat_request`` apply)."""
-        chat_request = {**chat_request, "stream": True}
-        gen = await self.render_chat(chat_request, request_id)
-        target, parsers = self._chat_derender()
-        if parsers:  # the replica holding this stream's parser session answers its chunks
-            target = target.options(session_id=gen["request_id"])
-        states: dict[int, Any] = {}
-        prompt_ids = gen["token_ids"]
-        async for chunk in self.generate_stream(gen):
-            payload = chunk.model_dump(exclude_none=True)
-            payload["request_id"] = gen["request_id"]
-            index = chunk.choices[0].index if chunk.choices else 0
-            body = {
-                "stream": True,
-                "generate_chunk": payload,
-                "stream_state": states.get(index),
-                "chat_request": chat_request,
-                "prompt_token_ids": prompt_ids,
-                "prompt_tokens": len(prompt_ids),
-            }
-            out = json.loads(await self._call(target.chat.remote(body)))
-            states[index] = out["stream_state"]
-            yield out["chunk"]
+        """What ``/v1/chat/completions`` streams, as ``chat.completion.chunk`` dicts (``stream_options``
+        of ``chat_request`` apply; a stream that fails once started ends with vLLM's error dict).
+        Closing the iterator aborts the engine request."""
+        gen = self._composed_stream.remote(chat_request, request_id)
+        try:
+            async for chunk in gen:
+                yield chunk
+        except Exception as exc:
+            raise _unwrap(exc) from None
+        finally:
+            gen.cancel()
 
 
 def _as_dict(value: Any) -> dict[str, Any]:

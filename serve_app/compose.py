@@ -21,10 +21,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from serve_app.derender.stop import engine_stop_reason
 from serve_app.errors import envelope
 from serve_app.wire import dump_json
 
-__all__ = ["ComposedService", "Stages", "open_derender_stream", "sse_frame", "SSE_DONE"]
+__all__ = ["ComposedService", "Stages", "open_derender_stream", "sse_frame", "sse_stream", "SSE_DONE"]
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -32,6 +33,16 @@ SSE_DONE = b"data: [DONE]\n\n"
 def sse_frame(obj: Any) -> bytes:
     """One server-sent event as vLLM writes it: ``data: <json>\\n\\n``."""
     return b"data: " + dump_json(obj) + b"\n\n"
+
+
+async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """Chunk dicts as vLLM's SSE body: one frame each, then ``[DONE]``; closing it closes ``chunks``."""
+    try:
+        async for chunk in chunks:
+            yield sse_frame(chunk)
+    finally:
+        await chunks.aclose()
+    yield SSE_DONE
 
 
 @dataclass(slots=True)
@@ -88,13 +99,9 @@ class ComposedService:
     # --- helpers --------------------------------------------------------------------------------
 
     def _fix_stop_reason(self, choices: list[dict[str, Any]], gen_request: dict[str, Any]) -> None:
-        eos = self.eos_token_id
-        if eos is None:
-            return
+        stop_ids = (gen_request.get("sampling_params") or {}).get("stop_token_ids")
         for choice in choices:
-            if choice.get("stop_reason") == eos and choice.get("finish_reason") == "stop":
-                if eos not in (gen_request.get("sampling_params") or {}).get("stop_token_ids") or ():
-                    choice["stop_reason"] = None
+            engine_stop_reason(choice, self.eos_token_id, stop_ids)
 
     async def _peeked(self, stream: AsyncIterator[dict]) -> tuple[dict | None, AsyncIterator[dict]]:
         """The first chunk, awaited before the response is committed, so early errors are real statuses."""
@@ -109,8 +116,9 @@ class ComposedService:
 
     # --- chat -----------------------------------------------------------------------------------
 
-    async def chat(self, body: dict[str, Any], request_id: str | None = None) -> bytes | AsyncIterator[bytes]:
-        """``/v1/chat/completions``: the response JSON bytes, or (``stream``) an iterator of SSE frames.
+    async def chat(self, body: dict[str, Any], request_id: str | None = None) -> bytes | AsyncIterator[dict[str, Any]]:
+        """``/v1/chat/completions``: the response JSON bytes, or (``stream``) an iterator of the chunk
+        dicts (:func:`sse_stream` frames them), ending with vLLM's in-band error dict if the stream fails.
 
         Raises:
             ApiError: render or engine rejected the request (before any byte is sent).
@@ -131,11 +139,11 @@ class ComposedService:
             )
             return await _maybe_await(out)
         first, stream = await self._peeked(self.stages.generate_stream(gen))
-        return self._chat_sse(body, gen, first, stream)
+        return self._chat_chunks(body, gen, first, stream)
 
-    async def _chat_sse(
+    async def _chat_chunks(
         self, body: dict[str, Any], gen: dict[str, Any], first: dict | None, stream: AsyncIterator[dict]
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncIterator[dict[str, Any]]:
         prompt_ids, request_id = gen["token_ids"], gen["request_id"]
         sessions: dict[int, Any] = {}
 
@@ -156,16 +164,15 @@ class ComposedService:
                 choices = chunk.get("choices") or []
                 self._fix_stop_reason(choices, gen)
                 index = choices[0]["index"] if choices else 0
-                yield sse_frame(await feed(session(index), chunk))
-        except Exception as exc:  # the stream is committed: vLLM's in-band error frame, then [DONE]
-            yield sse_frame(envelope(exc)[1])
+                yield await feed(session(index), chunk)
+        except Exception as exc:  # the stream is committed: vLLM's in-band error frame
+            yield envelope(exc)[1]
         finally:
             await stream.aclose()
-        yield SSE_DONE
 
     # --- completions ----------------------------------------------------------------------------
 
-    async def completion(self, body: dict[str, Any], request_id: str | None = None) -> bytes | AsyncIterator[bytes]:
+    async def completion(self, body: dict[str, Any], request_id: str | None = None) -> bytes | AsyncIterator[dict[str, Any]]:
         """``/v1/completions``: every prompt rendered, generated concurrently, derendered together."""
         gens = [_no_detokenize(g) for g in json.loads(await self.stages.render_completion(body, request_id))]
         if not body.get("stream"):
@@ -191,16 +198,16 @@ class ComposedService:
         streams = [self.stages.generate_stream(g) for g in gens]
         merged = _merge(streams)
         first, merged = await self._peeked(merged)
-        return self._completion_sse(body, gens, first, merged, usage_wanted and len(gens) > 1)
+        return self._completion_chunks(body, gens, first, merged, usage_wanted and len(gens) > 1)
 
-    async def _completion_sse(
+    async def _completion_chunks(
         self,
         body: dict[str, Any],
         gens: list[dict[str, Any]],
         first: tuple[int, dict] | None,
         merged: AsyncIterator[tuple[int, dict]],
         synthesize_usage: bool,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncIterator[dict[str, Any]]:
         n = int((gens[0].get("sampling_params") or {}).get("n") or 1)
         request_id = _base_id(gens, gens[0])
         sessions: dict[int, Any] = {}
@@ -227,7 +234,7 @@ class ComposedService:
                 for choice in choices:
                     choice["index"] = index = prompt * n + choice["index"]
                     completion_tokens += len(choice.get("token_ids") or ())
-                yield sse_frame(await feed(session(index, prompt), chunk))
+                yield await feed(session(index, prompt), chunk)
             if synthesize_usage:
                 prompt_tokens = sum(len(g["token_ids"]) for g in gens)
                 usage = {
@@ -236,12 +243,11 @@ class ComposedService:
                     "total_tokens": prompt_tokens + completion_tokens,
                 }
                 usage_chunk = {"request_id": request_id, "choices": [], "usage": usage}
-                yield sse_frame(await feed(session(0, 0), usage_chunk))
+                yield await feed(session(0, 0), usage_chunk)
         except Exception as exc:
-            yield sse_frame(envelope(exc)[1])
+            yield envelope(exc)[1]
         finally:
             await merged.aclose()
-        yield SSE_DONE
 
 
 def _no_detokenize(gen: dict[str, Any]) -> dict[str, Any]:

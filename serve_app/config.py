@@ -163,23 +163,32 @@ class AppArgs(_Strict):
         config = json.loads((model_dir / "config.json").read_text())
         max_model_len = self.max_model_len or int(config.get("max_position_embeddings") or 2048)
         tokenizer_dir = str(resolve_model(self.tokenizer)) if self.tokenizer else str(model_dir)
+        # Computed here, once, with transformers, so the light PlainDerender replicas never import it.
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(tokenizer_dir)
         return ResolvedModel(
             model_dir=str(model_dir),
             tokenizer_dir=tokenizer_dir,
             served_model_names=self.served_model_name or [self.model],
             max_model_len=max_model_len,
-            special_token_ids=_special_token_ids(tokenizer_dir),
+            special_token_ids=sorted(hf.all_special_ids),
+            eos_token_id=hf.eos_token_id,
+            eos_token_ids=_eos_token_ids(model_dir, hf.eos_token_id),
         )
 
 
-def _special_token_ids(tokenizer_dir: str) -> list[int]:
-    """The Hugging Face tokenizer's ``all_special_ids``: what ``skip_special_tokens`` drops in vLLM.
-
-    Computed here, once, with transformers, so the light PlainDerender replicas never import it.
-    """
-    from transformers import AutoTokenizer
-
-    return sorted(AutoTokenizer.from_pretrained(tokenizer_dir).all_special_ids)
+def _eos_token_ids(model_dir: Path, eos_token_id: int | None) -> list[int]:
+    """Every id the engine stops on by default, as vLLM's ``SamplingParams.update_from_generation_config``:
+    the tokenizer's EOS and all of the generation config's ``eos_token_id`` (an int or a list), read
+    from ``generation_config.json`` or, without one, ``config.json`` (``try_get_generation_config``)."""
+    ids = {eos_token_id} if eos_token_id is not None else set()
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        path = model_dir / "config.json"
+    extra = json.loads(path.read_text()).get("eos_token_id")
+    ids.update([extra] if isinstance(extra, int) else extra or ())
+    return sorted(ids)
 
 
 class ResolvedModel(_Strict):
@@ -189,7 +198,9 @@ class ResolvedModel(_Strict):
     tokenizer_dir: str
     served_model_names: list[str]
     max_model_len: int
-    special_token_ids: list[int]
+    special_token_ids: list[int]  # the tokenizer's ``all_special_ids``: what ``skip_special_tokens`` drops
+    eos_token_id: int | None = None  # the tokenizer's EOS: the stop the engine reports as ``stop_reason`` null
+    eos_token_ids: list[int] = Field(default_factory=list)  # every default stop id (see ``_eos_token_ids``)
 
     @property
     def name(self) -> str:

@@ -158,23 +158,7 @@ async def _compose(args: AppArgs, model: ResolvedModel, render: Any, plain_deren
         generate=lambda body: engine.generate.remote(body),
         generate_stream=lambda body: _handle_stream(generate_stream.remote(body)),
     )
-    return ComposedService(stages, chat, plain, _eos_token_id(model.tokenizer_dir))
-
-
-def _eos_token_id(tokenizer_dir: str) -> int | None:
-    """The Hugging Face tokenizer's ``eos_token`` id, read from its files (no transformers here)."""
-    from pathlib import Path
-
-    cfg_path = Path(tokenizer_dir, "tokenizer_config.json")
-    if not cfg_path.is_file():
-        return None
-    eos = json.loads(cfg_path.read_text()).get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    if not eos:
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(Path(tokenizer_dir, "tokenizer.json"))).token_to_id(eos)
+    return ComposedService(stages, chat, plain, model.eos_token_id)
 
 
 @serve.deployment(name="Ingress")
@@ -383,7 +367,9 @@ class Ingress:
         out = await getattr(self.composed, method)(body, request.headers.get("x-request-id"))
         if isinstance(out, (bytes, bytearray)):
             return Response(out, media_type="application/json")
-        return await _sse_response(out)
+        from serve_app.compose import sse_stream
+
+        return await _sse_response(sse_stream(out))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -392,6 +378,24 @@ class Ingress:
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return await self._composed(request, "completion")
+
+    # --- the composed API by handle (serve_app.client): the same code as the routes above, no HTTP ---
+
+    async def composed_chat(self, body: dict[str, Any], request_id: str | None = None) -> bytes:
+        """What ``/v1/chat/completions`` answers without streaming: the response JSON bytes."""
+        self._require_engine()
+        return await self.composed.chat({**body, "stream": False}, request_id)
+
+    async def composed_chat_stream(self, body: dict[str, Any], request_id: str | None = None) -> Any:
+        """What ``/v1/chat/completions`` streams, as chunk dicts (an in-band error dict last if it fails).
+        Cancelling the call aborts the engine request."""
+        self._require_engine()
+        chunks = await self.composed.chat({**body, "stream": True}, request_id)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
 
     @api.get("/metrics")
     async def prometheus(self) -> Response:

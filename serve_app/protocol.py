@@ -161,6 +161,9 @@ class ChatCompletionRequest(_OpenAIModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_token_ids: bool | None = None
+    # Which final token is a stop token whose text is left out (serve_app/derender/stop.py).
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
 
 
 class CompletionRequest(_OpenAIModel):
@@ -170,6 +173,8 @@ class CompletionRequest(_OpenAIModel):
     prompt_embeds: Any = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
 
     @model_validator(mode="after")
     def _prompt_given(self) -> CompletionRequest:

@@ -28,7 +28,8 @@ async def build_parser_service(args: AppArgs, model: ResolvedModel) -> ParserDer
     tok = DetokTokenizer(model.tokenizer_dir, model.special_token_ids)
     limits = DerenderLimits(model.max_model_len, args.max_logprobs, args.limits.max_n_sequences)
     c = args.parser_sessions
-    return ParserDerenderService(tok, model.served_model_names, limits, kit, SessionCache(c.max_sessions, c.ttl_s, c.max_tokens))
+    cache = SessionCache(c.max_sessions, c.ttl_s, c.max_tokens)
+    return ParserDerenderService(tok, model.served_model_names, limits, model.eos_token_ids, kit, cache)
 
 
 @serve.deployment(name="ParserDerender")

@@ -7,8 +7,8 @@ differs, and why (``vllm-0.32-behaviour.md`` 1.13; README "Compatibility notes")
 * streaming keeps a live parser per stream in a replica-local :class:`SessionCache` keyed by the
   digest of the carried state: a hit parses only the new chunk; a miss replays the carried history
   chunk by chunk exactly as vLLM does, so every replica can still continue every stream;
-* the answer follows ``vllm serve`` where vLLM's derender drifts from it: the stop token's text is
-  not parsed into ``content``, ``finish_reason`` becomes ``tool_calls`` in non-streaming too (and
+* the answer follows ``vllm serve`` where vLLM's derender drifts from it: a stop token's text is
+  not parsed into ``content`` (the rule of :mod:`serve_app.derender.stop`), ``finish_reason`` becomes ``tool_calls`` in non-streaming too (and
   only from ``stop``), tool-call ids are the parser's (``chatcmpl-tool-...``) in both modes,
   ``include_reasoning: false`` also hides logprobs and token ids, ``parallel_tool_calls: false``
   applies in non-streaming, the request's ``prompt_token_ids`` reach the non-streaming parser,
@@ -30,6 +30,7 @@ from serve_app.derender.detokenize import DetokWindow, detokenize_delta, seed_wi
 from serve_app.derender.logprobs import context_tail, resolve_logprobs
 from serve_app.derender.service import PlainDerenderService, _dump, _stream_usage, _usage, chat_response
 from serve_app.derender.sessions import SessionCache, state_digest
+from serve_app.derender.stop import StopTokens
 from serve_app.errors import ApiError, BadRequestError, validation_error
 from serve_app.protocol import (
     DerenderChatRequestUnion,
@@ -58,7 +59,7 @@ class RequestConfig:
     named_tool_choice: bool
     required_tool_choice: bool
     include_reasoning: bool
-    include_stop_text: bool
+    stops: StopTokens  # whose text a `stop` finish leaves out
     single_tool_call: bool  # parallel_tool_calls: false
     return_token_ids: bool
     role: str
@@ -91,13 +92,12 @@ class ParserSession:
     def matches(self, prompt_ids: list[int], output_ids: list[int], chunk_lens: list[int]) -> bool:
         return self.output_ids == output_ids and self.chunk_lens == chunk_lens and self.prompt_token_ids == prompt_ids
 
-    def feed(self, kit: Any, config: RequestConfig, tok: Any, delta_ids: list[int], finished: bool, stop_token: bool) -> Any:
+    def feed(self, kit: Any, config: RequestConfig, tok: Any, delta_ids: list[int], finished: bool, text_ids: list[int]) -> Any:
         """Parse one chunk as ``parse_delta`` sees it under ``vllm serve``; returns a DeltaMessage or None.
 
-        As the engine's detokenizer, a stop token (EOS or a ``stop_token_ids`` hit) ends the stream
-        without being decoded into text; the parser still gets its id.
+        ``text_ids`` are the ids decoded into text: as the engine's detokenizer, a final stop token
+        ends the stream without text (``StopTokens.text_ids``); the parser still gets its id.
         """
-        text_ids = delta_ids[:-1] if stop_token and delta_ids else delta_ids
         text, self.window = detokenize_delta(tok, text_ids, self.window, config.skip_special_tokens)
         self.output_tokens += len(delta_ids)
         if not delta_ids and not finished:
@@ -105,11 +105,6 @@ class ParserSession:
         return self.parser.parse_delta(
             text, delta_ids, config.request, prompt_token_ids=self.prompt_token_ids, finished=finished
         )
-
-
-def _is_stop_token(choice: Any, config: RequestConfig) -> bool:
-    # "stop" with a string stop_reason is a stop *string* (matched in text, nothing to drop).
-    return choice.finish_reason == "stop" and not isinstance(choice.stop_reason, str) and not config.include_stop_text
 
 
 def _trim_top_logprobs(logprobs: dict[str, Any], keep: int) -> dict[str, Any]:
@@ -136,8 +131,10 @@ def _echo_text(request: Any, role: str) -> str:
 class ParserDerenderService(PlainDerenderService):
     """Chat derender through vLLM's parsers, with live parser sessions cached per replica."""
 
-    def __init__(self, tok: Any, served_model_names: list[str], limits: Any, kit: Any, cache: SessionCache) -> None:
-        super().__init__(tok, served_model_names, limits)
+    def __init__(
+        self, tok: Any, served_model_names: list[str], limits: Any, eos_token_ids: list[int], kit: Any, cache: SessionCache
+    ) -> None:
+        super().__init__(tok, served_model_names, limits, eos_token_ids)
         self.kit = kit
         self.sessions: SessionCache[ParserSession] = cache
         self._configs: OrderedDict[bytes, RequestConfig] = OrderedDict()
@@ -171,7 +168,7 @@ class ParserDerenderService(PlainDerenderService):
             named_tool_choice=type(tool_choice) is kit.NamedToolChoice,
             required_tool_choice=tool_choice == "required",
             include_reasoning=bool(request.include_reasoning),
-            include_stop_text=bool(request.include_stop_str_in_output),
+            stops=self.stop_tokens(request),
             single_tool_call=request.parallel_tool_calls is False,
             return_token_ids=bool(request.return_token_ids) and bool(request.include_reasoning),
             role=role,
@@ -245,7 +242,7 @@ class ParserDerenderService(PlainDerenderService):
             raise BadRequestError(f"choice {choice.index} has empty or null token_ids")
         kit, request = self.kit, config.request
         ids = choice.token_ids
-        text_ids = ids[:-1] if _is_stop_token(choice, config) else ids
+        text_ids = config.stops.text_ids(ids, choice.finish_reason, choice.stop_reason)
         skip = config.skip_special_tokens
         text, _ = detokenize_delta(self.tok, text_ids, seed_window(self.tok, prompt_ids, skip), skip)
         parser = kit.new_parser(request, config.template_kwargs)
@@ -420,7 +417,8 @@ class ChatStream:
         session = service.new_session(self.config, self.prompt_ids)
         start = 0
         for n in self.chunk_lens:
-            session.feed(service.kit, self.config, service.tok, self.output_ids[start : start + n], False, False)
+            ids = self.output_ids[start : start + n]
+            session.feed(service.kit, self.config, service.tok, ids, False, ids)
             start += n
         return session
 
@@ -473,7 +471,8 @@ class ChatStream:
         assert self.session is not None
         delta_ids = choice.token_ids or []
         finished = choice.finish_reason is not None
-        msg = self.session.feed(service.kit, config, service.tok, delta_ids, finished, _is_stop_token(choice, config))
+        text_ids = config.stops.text_ids(delta_ids, choice.finish_reason, choice.stop_reason)
+        msg = self.session.feed(service.kit, config, service.tok, delta_ids, finished, text_ids)
         if delta_ids:
             self.output_ids.extend(delta_ids)
             self.chunk_lens.append(len(delta_ids))

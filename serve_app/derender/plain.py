@@ -21,7 +21,7 @@ __all__ = ["PlainDerender", "build_plain_service"]
 def build_plain_service(args: AppArgs, model: ResolvedModel) -> PlainDerenderService:
     tok = DetokTokenizer(model.tokenizer_dir, model.special_token_ids)
     limits = DerenderLimits(model.max_model_len, args.max_logprobs, args.limits.max_n_sequences)
-    return PlainDerenderService(tok, model.served_model_names, limits)
+    return PlainDerenderService(tok, model.served_model_names, limits, model.eos_token_ids)
 
 
 @serve.deployment(name="PlainDerender")

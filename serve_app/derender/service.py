@@ -18,6 +18,7 @@ from pydantic import TypeAdapter
 
 from serve_app.derender.detokenize import DetokWindow, detokenize_delta, seed_window
 from serve_app.derender.logprobs import context_tail, resolve_logprobs, to_completion_logprobs
+from serve_app.derender.stop import StopTokens
 from serve_app.derender.tokenizer import DetokTokenizer
 from serve_app.errors import ApiError, BadRequestError, NotFoundError
 from serve_app.protocol import (
@@ -70,10 +71,17 @@ def _dump(model: Any) -> Any:
 class PlainDerenderService:
     """Detokenization-only derender for one model."""
 
-    def __init__(self, tok: DetokTokenizer, served_model_names: list[str], limits: DerenderLimits) -> None:
+    def __init__(
+        self, tok: DetokTokenizer, served_model_names: list[str], limits: DerenderLimits, eos_token_ids: list[int]
+    ) -> None:
         self.tok = tok
         self.served_model_names = served_model_names
         self.limits = limits
+        self.eos_token_ids = eos_token_ids
+
+    def stop_tokens(self, request: Any) -> StopTokens:
+        """The stop tokens whose text a ``stop`` finish leaves out, for this chat / completion request."""
+        return StopTokens.of_request(self.eos_token_ids, request)
 
     # --- checks, in vLLM's order ---------------------------------------------------------------
 
@@ -193,12 +201,14 @@ class PlainDerenderService:
             self.tok, request.prompt_token_ids if request.prompt_token_ids is not None else gen.prompt_token_ids, skip
         )
         return_token_ids = bool(request.chat_request is not None and request.chat_request.return_token_ids)
+        stops = self.stop_tokens(request.chat_request)
         choices = []
         for choice in gen.choices:
             if not choice.token_ids:
                 raise BadRequestError(f"choice {choice.index} has empty or null token_ids")
             logprobs = resolve_logprobs(choice.logprobs, self.tok) if choice.logprobs is not None else None
-            text, _ = detokenize_delta(self.tok, choice.token_ids, seed, skip)
+            text_ids = stops.text_ids(choice.token_ids, choice.finish_reason, choice.stop_reason)
+            text, _ = detokenize_delta(self.tok, text_ids, seed, skip)
             choices.append(
                 {
                     "index": choice.index,
@@ -240,11 +250,13 @@ class PlainDerenderService:
         skip = self._decode_params(request.chat_request)
         state, window = self._open_stream(request, skip)
         return_token_ids = bool(request.chat_request is not None and request.chat_request.return_token_ids)
+        stops = self.stop_tokens(request.chat_request)
         role_sent, context = state.role_sent, state.logprob_context_token_ids
         choices = []
         for choice in chunk.choices:
             delta_ids = choice.token_ids or []
-            text, window = detokenize_delta(self.tok, delta_ids, window, skip)
+            text_ids = stops.text_ids(delta_ids, choice.finish_reason, choice.stop_reason)
+            text, window = detokenize_delta(self.tok, text_ids, window, skip)
             logprobs = (
                 resolve_logprobs(choice.logprobs, self.tok, state.logprob_context_token_ids)
                 if choice.logprobs is not None
@@ -299,6 +311,7 @@ class PlainDerenderService:
         prompt_tokens = request.prompt_tokens if request.prompt_tokens is not None else [0] * n
         seeds = request.prompt_token_ids if request.prompt_token_ids is not None else [None] * n
         skip = self._decode_params(request.completion_request)
+        stops = self.stop_tokens(request.completion_request)
         choices, total_prompt, total_completion = [], 0, 0
         for gen, pt, seed_ids in zip(responses, prompt_tokens, seeds):
             seed = seed_window(self.tok, seed_ids if seed_ids is not None else gen.prompt_token_ids, skip)
@@ -307,7 +320,8 @@ class PlainDerenderService:
                     raise BadRequestError(
                         f"choice {choice.index} in response {gen.request_id} has empty or null token_ids"
                     )
-                text, _ = detokenize_delta(self.tok, choice.token_ids, seed, skip)
+                text_ids = stops.text_ids(choice.token_ids, choice.finish_reason, choice.stop_reason)
+                text, _ = detokenize_delta(self.tok, text_ids, seed, skip)
                 logprobs = (
                     to_completion_logprobs(resolve_logprobs(choice.logprobs, self.tok))
                     if choice.logprobs is not None
@@ -357,11 +371,13 @@ class PlainDerenderService:
         self._check_choices(chunk.choices)
         skip = self._decode_params(request.completion_request)
         state, window = self._open_stream(request, skip)
+        stops = self.stop_tokens(request.completion_request)
         context, text_offset = state.logprob_context_token_ids, state.logprob_text_offset
         choices = []
         for choice in chunk.choices:
             delta_ids = choice.token_ids or []
-            text, window = detokenize_delta(self.tok, delta_ids, window, skip)
+            text_ids = stops.text_ids(delta_ids, choice.finish_reason, choice.stop_reason)
+            text, window = detokenize_delta(self.tok, text_ids, window, skip)
             logprobs = None
             if choice.logprobs is not None:
                 resolved = resolve_logprobs(choice.logprobs, self.tok, state.logprob_context_token_ids)

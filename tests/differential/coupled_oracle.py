@@ -261,6 +261,7 @@ class CoupledOracle:
         from serve_app._vllm import build_render_state
         from vllm.entrypoints.launchers.cli_args import resolve_default_chat_template_kwargs
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
         from vllm.renderers.chat_utils import load_chat_template
 
         self.loop = asyncio.new_event_loop()
@@ -290,6 +291,17 @@ class CoupledOracle:
             enable_log_deltas=ns.enable_log_deltas,
             enable_per_request_metrics=ns.enable_per_request_metrics,
         )
+        # generate/api_router.py's completion serving, over the same engine and renderer.
+        self.completion_serving = OpenAIServingCompletion(
+            engine_client=self.engine,
+            models=state.models,
+            online_renderer=state.online_renderer,
+            request_logger=None,
+            return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+            enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+            enable_force_include_usage=ns.enable_force_include_usage,
+            enable_per_request_metrics=ns.enable_per_request_metrics,
+        )
         self.tokenizer = self.engine.renderer.tokenizer
 
     def run(self, chat_request: dict[str, Any], choices: Sequence[ScriptedChoice], *, interleave: bool = True) -> CoupledResult:
@@ -298,11 +310,22 @@ class CoupledOracle:
         ``chat_request["stream"]`` picks the mode. Returns the parsed response or SSE events.
         """
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         request = ChatCompletionRequest.model_validate(json.loads(json.dumps(chat_request)))
+        return self._serve(self.serving.create_chat_completion, request, choices, interleave)
+
+    def run_completion(self, completion_request: dict[str, Any], choices: Sequence[ScriptedChoice]) -> CoupledResult:
+        """``POST /v1/completions`` with one prompt; the engine answers ``choices``."""
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        request = CompletionRequest.model_validate(json.loads(json.dumps(completion_request)))
+        return self._serve(self.completion_serving.create_completion, request, choices, True)
+
+    def _serve(self, create: Any, request: Any, choices: Sequence[ScriptedChoice], interleave: bool) -> CoupledResult:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
         script = _Script(choices, interleave)
-        if request.logprobs:
+        if request.logprobs and hasattr(request, "top_logprobs"):
             num = request.top_logprobs or 0
             script.logprob_rows = [
                 synthetic_logprobs_rows(c.token_ids, num, len(self.tokenizer), seed=1000 * i + len(c.token_ids))
@@ -311,7 +334,7 @@ class CoupledOracle:
         self.engine.script = script
 
         async def go() -> Any:
-            out = await self.serving.create_chat_completion(request)
+            out = await create(request)
             if isinstance(out, ErrorResponse):
                 raise AssertionError(f"vLLM rejected the request: {out.model_dump()}")
             if not request.stream:

@@ -175,7 +175,7 @@ class Harness:
         s = self.svc
         c = self.args.parser_sessions
         return ParserDerenderService(
-            s.tok, s.served_model_names, s.limits, s.kit, SessionCache(c.max_sessions, c.ttl_s, c.max_tokens)
+            s.tok, s.served_model_names, s.limits, s.eos_token_ids, s.kit, SessionCache(c.max_sessions, c.ttl_s, c.max_tokens)
         )
 
     def encode(self, text: str) -> list[int]:

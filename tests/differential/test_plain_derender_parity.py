@@ -5,6 +5,11 @@ past the tokenizer), random chunkings (one token per chunk and multi-token chunk
 without logprobs and prompt seeds. Non-streaming output, every streamed chunk and every carried
 state must equal vLLM's (``created`` aside), and the streamed text must concatenate to the
 non-streaming text.
+
+The outputs end on ``length`` or on a stop string (``stop`` with a string ``stop_reason``), where
+vLLM's derender keeps every token's text, as it should. An output ending on a stop token is where
+vLLM's derender is wrong (it shows the stop token's text): ``test_stop_tokens.py`` compares those
+with coupled ``vllm serve``.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ class Pair:
         self.loop = asyncio.new_event_loop()
         self.vllm = self.loop.run_until_complete(build_render_state(args, model)).serving_derender
         tok = DetokTokenizer(model.tokenizer_dir, model.special_token_ids)
-        self.ours = PlainDerenderService(tok, model.served_model_names, DerenderLimits(model.max_model_len, 20, 16384))
+        self.ours = PlainDerenderService(
+            tok, model.served_model_names, DerenderLimits(model.max_model_len, 20, 16384), model.eos_token_ids
+        )
         self.vocab = tok.vocab_size
         hf = AutoTokenizer.from_pretrained(model.tokenizer_dir)
         self.interesting = sorted(
@@ -134,7 +141,8 @@ def cases(draw, pair: Pair):
     skip = draw(st.booleans())
     with_logprobs = draw(st.booleans())
     sizes = draw(st.lists(st.integers(1, 4), min_size=1, max_size=len(ids)))
-    return ids, prompt, seed, skip, with_logprobs, sizes
+    finish = draw(st.sampled_from([("length", None), ("stop", "</stop>")]))
+    return ids, prompt, seed, skip, with_logprobs, sizes, finish
 
 
 def _chunks(ids: list[int], sizes: list[int]) -> list[list[int]]:
@@ -149,11 +157,12 @@ def _chunks(ids: list[int], sizes: list[int]) -> list[list[int]]:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_chat_and_completions_match_vllm_streaming_and_not(pair: Pair, data):
-    ids, prompt, seed, skip, with_logprobs, sizes = data.draw(cases(pair))
+    ids, prompt, seed, skip, with_logprobs, sizes, (finish_reason, stop_reason) = data.draw(cases(pair))
     rng = random.Random(seed)
     logprobs = _logprobs(rng, ids, pair.vocab) if with_logprobs else None
     chat_request = {"messages": [{"role": "user", "content": "x"}], "skip_special_tokens": skip, "return_token_ids": True}
-    gen = {"request_id": "r", "choices": [{"index": 0, "token_ids": ids, "logprobs": logprobs}]}
+    end = {"finish_reason": finish_reason, "stop_reason": stop_reason}
+    gen = {"request_id": "r", "choices": [{"index": 0, "token_ids": ids, "logprobs": logprobs, **end}]}
 
     whole = _assert_same(pair, "chat", {"generate_response": gen, "prompt_token_ids": prompt, "chat_request": chat_request, "prompt_tokens": 3})
     _assert_same(pair, "completion", {"generate_responses": [gen], "prompt_token_ids": [prompt], "completion_request": {"prompt": "p", "skip_special_tokens": skip}})
@@ -165,8 +174,9 @@ def test_chat_and_completions_match_vllm_streaming_and_not(pair: Pair, data):
         for n, chunk_ids in enumerate(chunks):
             lp = {"content": logprobs["content"][pos : pos + len(chunk_ids)]} if logprobs else None
             pos += len(chunk_ids)
-            finish = "stop" if n == len(chunks) - 1 else None
-            chunk = {"request_id": "r", "choices": [{"index": 0, "token_ids": chunk_ids, "logprobs": lp, "finish_reason": finish}]}
+            last = n == len(chunks) - 1
+            chunk = {"request_id": "r", "choices": [{"index": 0, "token_ids": chunk_ids, "logprobs": lp, "finish_reason": finish_reason if last else None,
+                                                     "stop_reason": stop_reason if last else None}]}
             body = {"stream": True, "generate_chunk": chunk, "prompt_token_ids": prompt, request_key: req}
             status_o, ours = pair.our_call(kind, {**body, "stream_state": state_ours})
             status_v, theirs = pair.vllm_call(kind, {**body, "stream_state": state_vllm})

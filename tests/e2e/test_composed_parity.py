@@ -53,17 +53,23 @@ SCRIPTS = {
     "answer_without_think": "Paris is 18 degrees and sunny today.<|im_end|>",
     "cut_mid_tool_call": "<think>\nok\n</think>\n\n<tool_call>\n"
     '{"name": "get_weather", "arguments": {"city": "Par',
+    # issue 10: the final token before EOS is text like any other
+    "answer_ends_on_emoji": "<think>\nok\n</think>\n\n你好世界 😀<|im_end|>",
+    "answer_past_a_period": "The answer is four. Then more text.<|im_end|>",
 }
 
 
 @cache
-def script_ids(name: str) -> list[int]:
+def _tokenizer():
     from transformers import AutoTokenizer
 
     from serve_app.models import ensure_model
 
-    tok = AutoTokenizer.from_pretrained(str(ensure_model("qwen3-tiny")))
-    return tok.encode(SCRIPTS[name], add_special_tokens=False)
+    return AutoTokenizer.from_pretrained(str(ensure_model("qwen3-tiny")))
+
+
+def script_ids(name: str) -> list[int]:
+    return _tokenizer().encode(SCRIPTS[name], add_special_tokens=False)
 
 
 @pytest.fixture(scope="module")
@@ -143,12 +149,22 @@ CHAT_CASES = [
     pytest.param("reasoning_then_answer", {"n": 2, "temperature": 0.7, "seed": 3}, id="n2"),
     pytest.param("reasoning_then_tool_call", {"max_tokens": 9}, id="length_in_reasoning"),
     pytest.param("reasoning_then_answer", {"extra_body_kwargs": {"chat_template_kwargs": {"enable_thinking": False}}}, id="thinking_off"),
+    pytest.param("answer_without_think", {"extra_body_kwargs": {"skip_special_tokens": False}}, id="eos_with_special_tokens_shown"),
+    pytest.param(
+        "answer_without_think",
+        {"extra_body_kwargs": {"skip_special_tokens": False, "include_stop_str_in_output": True}},
+        id="include_stop_str_in_output",
+    ),
+    # the engine stops on "." from stop_token_ids: stop_reason names it and its text is left out
+    pytest.param("answer_past_a_period", {"extra_body_kwargs": {"stop_token_ids": "<the period's id>"}}, id="stop_token_ids_hit"),
 ]
 
 
 def _chat_kwargs(script: str | None, extra: dict) -> dict:
     extra = dict(extra)
-    extra_body = extra.pop("extra_body_kwargs", {})
+    extra_body = dict(extra.pop("extra_body_kwargs", {}))
+    if "stop_token_ids" in extra_body:
+        extra_body["stop_token_ids"] = _tokenizer().encode(".", add_special_tokens=False)
     kwargs = {"model": "qwen3-tiny", "messages": MESSAGES, "tools": TOOLS, "temperature": 0, "max_tokens": 120, **extra}
     if script is not None:
         extra_body = {**extra_body, "vllm_xargs": {SCRIPT_KEY: script_ids(script)}}
@@ -221,6 +237,14 @@ def _completion_stream_view(stream) -> dict:
 COMPLETION_CASES = [
     pytest.param({"prompt": "The capital of France is"}, id="unscripted"),
     pytest.param({"prompt": "Say hi:", "extra_body": {"vllm_xargs": {SCRIPT_KEY: [9707, 0, 1879, 151645]}}}, id="scripted"),
+    pytest.param(
+        {"prompt": "Say hi:", "extra_body": {"vllm_xargs": {SCRIPT_KEY: [9707, 0, 1879, 151645]}, "skip_special_tokens": False}},
+        id="scripted_eos_with_special_tokens_shown",
+    ),
+    pytest.param(  # "Hello" "!" " world": the engine stops on "!" (id 0) from stop_token_ids
+        {"prompt": "Say hi:", "extra_body": {"vllm_xargs": {SCRIPT_KEY: [9707, 0, 1879, 151645]}, "stop_token_ids": [0]}},
+        id="scripted_stop_token_ids_hit",
+    ),
     pytest.param({"prompt": ["One", "Two three"]}, id="two_prompts"),
     pytest.param({"prompt": "Count:", "logprobs": 2}, id="logprobs"),
     pytest.param({"prompt": "Count:", "n": 2, "temperature": 0.8, "seed": 11}, id="n2"),

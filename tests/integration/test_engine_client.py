@@ -4,6 +4,7 @@ documented example deployment (``examples/by_handle.py``)."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -84,3 +85,67 @@ def test_example_deployment(engine_app_url, tool_script):
         assert hello.lstrip("\n") == "Hello world"  # vLLM's qwen3 parser keeps the "\n\n" after </think>
     finally:
         serve.delete("assistant")
+
+
+def _without_volatile(obj):
+    """A response or chunk without what differs between two runs: ``id`` and ``created``."""
+    if isinstance(obj, dict):
+        return {k: _without_volatile(v) for k, v in obj.items() if k not in ("id", "created")}
+    if isinstance(obj, list):
+        return [_without_volatile(v) for v in obj]
+    return obj
+
+
+@pytest.mark.parametrize(
+    ("script", "extra"),
+    [
+        ("<think>\nok\n</think>\n\nThe answer is four.<|im_end|>", {}),  # EOS: dropped, "." kept
+        ("<think>\nok\n</think>\n\n你好世界 😀<|im_end|>", {"skip_special_tokens": False}),
+        ("<think>\nok\n</think>\n\nThe answer is four. And more.<|im_end|>", {"stop_token_ids": "period"}),  # the engine stops on "."
+    ],
+    ids=["eos", "emoji_then_eos_special_shown", "stop_token_ids_hit"],
+)
+def test_client_chat_equals_the_http_route(engine_app_url, script, extra):
+    """``ServeAppClient.chat`` / ``chat_stream`` answer exactly what ``/v1/chat/completions`` does."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    from serve_app.client import ServeAppClient
+    from serve_app.models import ensure_model
+
+    tok = AutoTokenizer.from_pretrained(str(ensure_model("qwen3-tiny")))
+    if extra.get("stop_token_ids"):
+        extra = {**extra, "stop_token_ids": tok.encode(".", add_special_tokens=False)}
+    request = {
+        "model": "qwen3-tiny",
+        "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+        "temperature": 0,
+        "vllm_xargs": {SCRIPT_KEY: tok.encode(script, add_special_tokens=False)},
+        **extra,
+    }
+    streamed_request = {**request, "stream": True, "stream_options": {"include_usage": True}}
+
+    async def by_handle() -> tuple:
+        client = ServeAppClient("engine_app")
+        return await client.chat(request), [c async for c in client.chat_stream(streamed_request)]
+
+    whole, chunks = asyncio.run(by_handle())
+    with httpx.Client(timeout=120) as http:
+        http_whole = http.post(f"{engine_app_url}/v1/chat/completions", json=request).json()
+        with http.stream("POST", f"{engine_app_url}/v1/chat/completions", json=streamed_request) as response:
+            lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    assert _without_volatile(whole) == _without_volatile(http_whole)
+    assert _without_volatile(chunks) == _without_volatile([json.loads(line) for line in lines[:-1]])
+
+    (choice,) = whole["choices"]
+    answer = script.split("</think>\n\n")[-1]
+    if extra.get("stop_token_ids"):
+        assert choice["message"]["content"].lstrip("\n") == "The answer is four"  # the stop token's text only
+        assert choice["stop_reason"] == extra["stop_token_ids"][0]
+    else:
+        assert choice["message"]["content"].lstrip("\n") == answer.removesuffix("<|im_end|>")
+        assert choice["stop_reason"] is None  # EOS, as coupled vllm serve reports it
+    assert choice["finish_reason"] == "stop"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == choice["message"]["content"]
