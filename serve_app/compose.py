@@ -23,7 +23,7 @@ from typing import Any
 
 from serve_app.derender.stop import engine_stop_reason
 from serve_app.errors import envelope
-from serve_app.wire import dump_json
+from serve_app.wire import dump_json, stream_flag
 
 __all__ = ["ComposedService", "Stages", "open_derender_stream", "sse_frame", "sse_stream", "SSE_DONE"]
 
@@ -123,9 +123,10 @@ class ComposedService:
         Raises:
             ApiError: render or engine rejected the request (before any byte is sent).
         """
+        stream = stream_flag(body)
         gen = _no_detokenize(json.loads(await self.stages.render_chat(body, request_id)))
         prompt_ids = gen["token_ids"]
-        if not body.get("stream"):
+        if not stream:
             response = json.loads(await self.stages.generate(gen))
             response["request_id"] = gen["request_id"]
             self._fix_stop_reason(response["choices"], gen)
@@ -174,8 +175,9 @@ class ComposedService:
 
     async def completion(self, body: dict[str, Any], request_id: str | None = None) -> bytes | AsyncIterator[dict[str, Any]]:
         """``/v1/completions``: every prompt rendered, generated concurrently, derendered together."""
+        stream = stream_flag(body)
         gens = [_no_detokenize(g) for g in json.loads(await self.stages.render_completion(body, request_id))]
-        if not body.get("stream"):
+        if not stream:
             responses = await asyncio.gather(*(self.stages.generate(g) for g in gens))
             parsed = []
             for gen, raw in zip(gens, responses):

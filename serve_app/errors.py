@@ -79,12 +79,42 @@ class ServiceUnavailableError(ApiError):
     err_type = "ServiceUnavailableError"
 
 
+# Messages echo user input (a model name, a path): bounded before any regex runs. Above the longest
+# schema-validation message (~10 KB, see validation_error), so those stay byte-identical to vLLM's.
+_MAX_MESSAGE_CHARS = 16384
+_TRUNCATED = "...[truncated]"
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
+# vLLM's patterns, rewritten so that no failed match is retried from inside the text it scanned:
+# each match takes a whole whitespace run (or path chain) and a callback keeps it unless it
+# qualifies. The originals were quadratic on long "/a/a/..." chains and whitespace runs.
+_FRAME = r'File "[^"]+", line \d+, in \S+(?:\n\s+.*)?'
+_WHITESPACE_OR_FRAME = re.compile(rf"\s+(?:{_FRAME})?|{_FRAME}")  # vLLM: \n?\s*{_FRAME}
+_SYSTEM_PATH = re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+")
+_PATH_CHAIN = re.compile(r"(?:/[\w\-]+)+(?:\.\w+)?")  # vLLM: (?:/[\w\-]+)+/[\w\-]+\.\w+
+
+
+def _drop_frame(match: re.Match[str]) -> str:
+    text = match.group()
+    return text if text.isspace() else ""
+
+
+def _hide_file_path(match: re.Match[str]) -> str:
+    text = match.group()  # "/a/b.c" is a path; "/a", "/a.c" and "/a/b" are not
+    return "<path>" if "." in text and text.count("/") >= 2 else text
+
+
 def sanitize_message(message: str) -> str:
-    """Strip memory addresses, tracebacks and file paths, as vLLM's ``sanitize_message`` does."""
-    message = re.sub(r" at 0x[0-9a-fA-F]+>", ">", message)
-    message = re.sub(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?', "", message)
-    message = re.sub(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+", "<path>", message)
-    message = re.sub(r"(?:/[\w\-]+)+/[\w\-]+\.\w+", "<path>", message)
+    """Strip memory addresses, tracebacks and file paths, as vLLM's ``sanitize_message`` does.
+
+    Linear time, on at most ``_MAX_MESSAGE_CHARS`` characters (then a truncation marker).
+    """
+    if len(message) > _MAX_MESSAGE_CHARS:
+        message = message[:_MAX_MESSAGE_CHARS] + _TRUNCATED
+    message = _ADDRESS.sub(">", message)
+    if 'File "' in message:
+        message = _WHITESPACE_OR_FRAME.sub(_drop_frame, message)
+    message = _SYSTEM_PATH.sub("<path>", message)
+    message = _PATH_CHAIN.sub(_hide_file_path, message)
     return message.strip()
 
 

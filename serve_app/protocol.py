@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, field_validator, model_validator
 
 __all__ = [
     "DerenderChatRequest",
@@ -30,6 +30,11 @@ __all__ = [
 
 PREV_TOKENS_LIMIT = 1024
 """vLLM's bound on ``DerenderStreamState.prev_tokens``."""
+
+_U32 = 2**32
+TokenId = Annotated[int, Field(ge=0, lt=_U32)]
+"""A token id the tokenizer can take: the Rust tokenizers raise ``OverflowError`` outside u32 (a 500
+otherwise). Ids past the vocabulary stay valid: derender decodes them as empty, as vLLM does."""
 
 
 class _OpenAIModel(BaseModel):
@@ -68,7 +73,7 @@ class PerRequestMetrics(_OpenAIModel):
 
 
 class Logprob(BaseModel):
-    logprob: float
+    logprob: FiniteFloat  # echoed into the response, where NaN and infinity cannot be written
     rank: int | None = None
     decoded_token: str | None = None
 
@@ -85,8 +90,8 @@ class WeightVersionSpan(BaseModel):
 
 
 class GenerateLogProb(BaseModel):
-    token_id: int
-    logprob: float
+    token_id: TokenId
+    logprob: FiniteFloat  # echoed into the response, where NaN and infinity cannot be written
     rank: int | None = None
 
 
@@ -108,7 +113,7 @@ class GenerateTokensChoice(BaseModel):
     index: int
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
+    token_ids: list[Annotated[int, Field(lt=_U32)]] | None = None  # negatives: vLLM's message, below
     routed_experts: str | None = None
     sampling_mask: list[list[int]] | None = None
     weight_versions: list[WeightVersionSpan] | None = None
@@ -121,7 +126,7 @@ class GenerateTokensStreamChoice(BaseModel):
     index: int
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
+    token_ids: list[TokenId] | None = None
     routed_experts: str | None = None
     sampling_mask: list[list[int]] | None = None
     weight_versions: list[WeightVersionSpan] | None = None
@@ -135,7 +140,7 @@ class GenerateTokensResponse(BaseModel):
     usage: UsageInfo | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_token_id_logprobs: str | None = None
-    prompt_token_ids: list[NonNegativeInt] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     mm_placeholders: dict[str, list[PlaceholderRangeInfo]] | None = None
     metrics: PerRequestMetrics | None = None
     kv_transfer_params: dict[str, Any] | None = None
@@ -147,7 +152,7 @@ class GenerateTokensResponse(BaseModel):
 class GenerateTokensStreamResponse(BaseModel):
     request_id: str = Field(default_factory=lambda: __import__("uuid").uuid4().hex[:16])
     usage: UsageInfo | None = None
-    prompt_token_ids: list[NonNegativeInt] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     mm_placeholders: dict[str, list[PlaceholderRangeInfo]] | None = None
     metrics: PerRequestMetrics | None = None
     output_mode: Literal["tokens"] = "tokens"
@@ -198,9 +203,9 @@ class DerenderStreamState(BaseModel):
     prefix_offset: int = Field(default=0, ge=0)
     read_offset: int = Field(default=0, ge=0)
     role_sent: bool = False
-    logprob_context_token_ids: list[int] = Field(default_factory=list, max_length=4)
+    logprob_context_token_ids: list[TokenId] = Field(default_factory=list, max_length=4)
     logprob_text_offset: int = Field(default=0, ge=0)
-    output_token_ids: list[int] = Field(default_factory=list)
+    output_token_ids: list[TokenId] = Field(default_factory=list)
     output_chunk_lens: list[Annotated[int, Field(gt=0)]] = Field(default_factory=list)
     tools_streamed: bool = False
     last_tool_call_ids: list[str] = Field(default_factory=list)
@@ -228,7 +233,7 @@ class DerenderChatRequest(BaseModel):
     model: str | None = None
     generate_response: GenerateTokensResponse
     prompt_tokens: int | None = None
-    prompt_token_ids: list[NonNegativeInt] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     chat_request: ChatCompletionRequest | None = None
 
 
@@ -238,7 +243,7 @@ class DerenderChatStreamRequest(BaseModel):
     generate_chunk: GenerateTokensStreamResponse
     stream_state: DerenderStreamState | None = None
     prompt_tokens: int | None = None
-    prompt_token_ids: list[NonNegativeInt] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     chat_request: ChatCompletionRequest | None = None
 
 
@@ -247,7 +252,7 @@ class DerenderCompletionRequest(BaseModel):
     model: str | None = None
     generate_responses: list[GenerateTokensResponse]
     prompt_tokens: list[int] | None = None
-    prompt_token_ids: list[list[NonNegativeInt] | None] | None = None
+    prompt_token_ids: list[list[TokenId] | None] | None = None
     completion_request: CompletionRequest | None = None
 
     @model_validator(mode="after")
@@ -268,7 +273,7 @@ class DerenderCompletionStreamRequest(BaseModel):
     generate_chunk: GenerateTokensStreamResponse
     stream_state: DerenderStreamState | None = None
     prompt_tokens: int | None = None
-    prompt_token_ids: list[NonNegativeInt] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     completion_request: CompletionRequest | None = None
 
 

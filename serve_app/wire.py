@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import orjson
 
-from serve_app.errors import RequestValidationFailed, validation_error
+from serve_app.errors import BadRequestError, RequestValidationFailed, validation_error
 
-__all__ = ["check_json_content_type", "dump_json", "dump_json_floatless", "load_body", "parse_json", "validate_model"]
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "check_json_content_type",
+    "dump_json",
+    "dump_json_floatless",
+    "load_body",
+    "parse_json",
+    "stream_flag",
+    "validate_model",
+]
+
+MAX_JSON_DEPTH = 128
+"""Deepest nesting of arrays and objects a body may have. Deeper values break later, as 500s:
+pickling across Ray handles (~500 levels), pydantic and orjson serialisation (255), ``copy.deepcopy``."""
 
 
 def dump_json(content: Any) -> bytes:
@@ -45,31 +59,89 @@ def check_json_content_type(content_type: str | None) -> None:
         raise RequestValidationFailed("1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed")
 
 
-def parse_json(body: bytes) -> Any:
-    """Parse a request body as FastAPI does: empty is ``None``, malformed JSON is a ``json_invalid`` 400."""
+class _NotFinite(ValueError):
+    pass
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):  # 1e999
+        raise _NotFinite(text)
+    return value
+
+
+def _no_constant(text: str) -> Any:  # NaN, Infinity, -Infinity
+    raise _NotFinite(text)
+
+
+def _too_deep() -> BadRequestError:
+    return BadRequestError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than ``limit`` levels: level by level, no recursion."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(limit):
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, (dict, list))]
+        if not level:
+            return False
+    return True
+
+
+def _check_depth(body: bytes | bytearray | str, data: Any) -> Any:
+    # Counting brackets (in C) rules out deep nesting for most bodies without walking them.
+    opening = (b"[", b"{") if isinstance(body, (bytes, bytearray)) else ("[", "{")
+    if body.count(opening[0]) + body.count(opening[1]) > MAX_JSON_DEPTH and _deeper_than(data, MAX_JSON_DEPTH):
+        raise _too_deep()
+    return data
+
+
+def parse_json(body: bytes | bytearray | str) -> Any:
+    """Parse a request body as FastAPI does: empty is ``None``, malformed JSON is a ``json_invalid`` 400.
+
+    Beyond FastAPI, every input it would take but that fails later as a 500 is a 400 here: nesting
+    deeper than ``MAX_JSON_DEPTH``, and NaN or infinite numbers (no response could hold them).
+    """
     if not body:
         return None
     try:
         # orjson is the fast path (large stream states). It reads ints beyond 64 bits as floats, so
-        # bodies with 19+ digit runs, and whatever it refuses (NaN, malformed input), go through
-        # json, which then decides the result and the error text.
+        # bodies with 19+ digit runs, and whatever it refuses (NaN, 1e999, nesting past 1024,
+        # malformed input), go through json, which then decides the result and the error text.
         if isinstance(body, (bytes, bytearray)) and not _has_long_digit_run(body):
-            return orjson.loads(body)
+            return _check_depth(body, orjson.loads(body))
     except orjson.JSONDecodeError:
         pass
     try:
-        return json.loads(body)
+        data = json.loads(body, parse_float=_finite_float, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         raise validation_error(
             [{"type": "json_invalid", "loc": (exc.pos,), "msg": "JSON decode error", "input": {}, "ctx": {"error": exc.msg}}]
         ) from None
-    except UnicodeDecodeError:
+    except _NotFinite:
+        raise BadRequestError("Out of range float values are not JSON compliant") from None
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError:  # not UTF-8, or an int past Python's 4300-digit limit: FastAPI's 400
         raise RequestValidationFailed("There was an error parsing the body") from None
+    return _check_depth(body, data)
 
 
 def load_body(body: bytes | bytearray | str | Any) -> Any:
     """A stage's input: raw JSON from the HTTP path, or an already-parsed object from a handle caller."""
     return parse_json(body) if isinstance(body, (bytes, bytearray, str)) else body
+
+
+def stream_flag(body: Any) -> bool:
+    """``body["stream"]`` of a raw request dict, for routes that branch on it before any schema runs.
+
+    Only a JSON boolean (or null / absent: false) is taken: a truthy ``"false"`` must not answer
+    with SSE, so anything else is a 400 worded as pydantic's strict ``bool``.
+    """
+    stream = body.get("stream") if isinstance(body, dict) else None
+    if stream is None or isinstance(stream, bool):
+        return bool(stream)
+    raise validation_error([{"type": "bool_type", "loc": ("stream",), "msg": "Input should be a valid boolean", "input": stream}])
 
 
 def validate_model(validator: Any, data: Any) -> Any:

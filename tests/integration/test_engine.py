@@ -189,6 +189,24 @@ class TestCancellation:
         _wait_idle()
 
 
+@pytest.mark.parametrize("stream", ["false", "true", 1, {}])
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+    ],
+)
+def test_a_stream_flag_that_is_not_a_boolean_is_a_400(engine_app_url, path, body, stream):
+    """A truthy ``"false"`` was answered as SSE; any non-boolean ``stream`` is a 400 in the envelope."""
+    resp = httpx.post(engine_app_url + path, json={**body, "stream": stream}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    error = resp.json()["error"]
+    assert error["code"] == 400 and "boolean" in error["message"]
+
+
 def test_no_engine_routes_without_engine(app_url):
     for path in ("/inference/v1/generate", "/v1/chat/completions", "/v1/completions", "/abort_requests"):
         resp = httpx.post(app_url + path, json={})

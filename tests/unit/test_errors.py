@@ -85,3 +85,68 @@ def test_errors_wrapped_by_ray_are_unwrapped():
     wrapped = RayTaskError("f", "tb", BadRequestError("bad", param="n")).as_instanceof_cause()
     assert envelope(wrapped)[0] == 400
     assert envelope(wrapped)[1]["error"]["param"] == "n"
+
+
+# --- hostile messages: bounded, linear-time sanitising, still vLLM's output on ordinary text ------
+
+
+def test_sanitize_equals_vllm_on_generated_messages():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from vllm.entrypoints.serve.exception_handling.utils import sanitize_message as vllm_sanitize
+
+    pieces = st.sampled_from(
+        ["/", "/usr", "/tmp", "/home", "a", "b-c", "_", ".", ".py", "x.json", " ", "  ", "\n", "\n  ", "\t", "é",
+         'File "', '"', ", line ", "12", ", in ", "f", "<obj", " at 0x", "7fA0", ">", ":", "-"]
+    )
+
+    @settings(max_examples=3000, deadline=None, database=None)
+    @given(st.lists(pieces, max_size=30).map("".join))
+    def check(message):
+        assert sanitize_message(message) == vllm_sanitize(message)
+
+    check()
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        'File "/usr/lib/python3/x.py", line 3, in f\n    raise X\n  File "b.py", line 9, in g',
+        "Traceback:\n   \n  File \"/a/b.py\", line 1, in <module>\n    x = 1  \n  File \"c\", line 2, in h",
+        "see /srv/app/a.b/c and /x/y.z/w/v.txt, /a/b.c.d, /a/.b, //a/b.c, /a/b., /-/-.-",
+        "<Foo object at 0xdeadBEEF> at 0x12 at 0x>",
+    ],
+)
+def test_sanitize_equals_vllm_on_tracebacks_and_paths(message):
+    from vllm.entrypoints.serve.exception_handling.utils import sanitize_message as vllm_sanitize
+
+    assert sanitize_message(message) == vllm_sanitize(message)
+
+
+@pytest.mark.parametrize("size", [20_000, 1_000_000])
+@pytest.mark.parametrize(
+    "unit", ["/a", "/-", "/usr", " ", "\n", '\n File "', 'File "x", line 1', "/a.", " at 0x0"]
+)
+def test_sanitize_is_bounded_on_hostile_messages(size, unit):
+    import time
+
+    message = f"The model `{unit * (size // len(unit))}` does not exist."
+    start = time.perf_counter()
+    out = sanitize_message(message)
+    assert time.perf_counter() - start < 0.5
+    assert len(out) <= 16384 + len("...[truncated]")
+
+
+def test_long_messages_are_truncated_with_a_marker():
+    out = sanitize_message("x" * 100_000)
+    assert out == "x" * 16384 + "...[truncated]"
+    assert sanitize_message("y" * 16384) == "y" * 16384
+
+
+def test_not_found_for_a_hostile_model_name_is_fast_and_enveloped():
+    import time
+
+    start = time.perf_counter()
+    status, body = envelope(NotFoundError(f"The model `{'/a' * 10_000}` does not exist.", param="model"))
+    assert time.perf_counter() - start < 0.5
+    assert status == 404 and body["error"]["code"] == 404 and body["error"]["message"].endswith("...[truncated]")

@@ -81,3 +81,48 @@ def test_echoed_models_match_vllm(name: str):
 
     theirs = getattr(importlib.import_module(ECHOED[name]), name)
     assert _fields(getattr(ours, name)) == _fields(theirs)
+
+
+def test_negative_token_ids_keep_vllms_errors():
+    """The u32 bound on ids leaves vLLM's own errors for negative ids as they were."""
+    import serve_app.vllm_cli  # noqa: F401
+    from pydantic import ValidationError
+    from vllm.entrypoints.scale_out.token_in_token_out import protocol as theirs
+
+    for name, bad in (
+        ("GenerateTokensChoice", {"index": 0, "token_ids": [1, -1]}),
+        ("GenerateTokensResponse", {"choices": [], "prompt_token_ids": [-1]}),
+        ("DerenderCompletionRequest", {"generate_responses": [], "prompt_token_ids": [[-3]]}),
+    ):
+        with pytest.raises(ValidationError) as a:
+            getattr(ours, name).model_validate(bad)
+        with pytest.raises(ValidationError) as b:
+            getattr(theirs, name).model_validate(bad)
+        assert _comparable(a.value) == _comparable(b.value)
+
+
+@pytest.mark.parametrize("token_id", [-1, 2**32, 2**64])
+def test_token_ids_outside_u32_are_refused(token_id):
+    from pydantic import ValidationError
+
+    for name, data in (
+        ("GenerateLogProb", {"token_id": token_id, "logprob": -1.0}),
+        ("GenerateTokensStreamChoice", {"index": 0, "token_ids": [token_id]}),
+        ("DerenderStreamState", {"logprob_context_token_ids": [token_id]}),
+        ("DerenderStreamState", {"output_token_ids": [token_id], "output_chunk_lens": [1]}),
+        ("DerenderChatStreamRequest", {"stream": True, "generate_chunk": {"choices": []}, "prompt_token_ids": [token_id]}),
+    ):
+        with pytest.raises(ValidationError):
+            getattr(ours, name).model_validate(data)
+    ours.GenerateLogProb.model_validate({"token_id": 2**32 - 1, "logprob": -1.0})
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_logprobs_must_be_finite(value):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        ours.GenerateLogProb.model_validate({"token_id": 1, "logprob": value})
+    with pytest.raises(ValidationError):
+        ours.Logprob.model_validate({"logprob": value})
+    ours.GenerateLogProb.model_validate({"token_id": 1, "logprob": -9999.0})

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from serve_app.errors import ApiError
-from serve_app.wire import dump_json, dump_json_floatless, parse_json
+from serve_app.errors import ApiError, envelope
+from serve_app.wire import MAX_JSON_DEPTH, dump_json, dump_json_floatless, load_body, parse_json, stream_flag
 
 
 def test_floatless_dump_equals_starlette_for_every_code_point():
@@ -25,9 +25,8 @@ def test_floatless_dump_falls_back_beyond_64_bit_ints():
     "body",
     [
         b'{"a": 1, "a": 2}',
-        b'{"x": NaN, "y": Infinity}',
         b'{"big": 123456789012345678901234567890}',
-        b'{"f": 1e400, "g": 0.1, "h": -0.0}',
+        b'{"f": 1e308, "g": 0.1, "h": -0.0, "i": 12345678901234567890.5}',
         '{"u": "\u00e9\u6771"}'.encode("utf-16"),
         b'[1, 2, {"k": [true, false, null]}]',
     ],
@@ -47,3 +46,67 @@ def test_malformed_bodies_keep_fastapi_errors(body):
         assert "JSON decode error" in got.value.message and exc.msg in got.value.message
     except UnicodeDecodeError:
         assert got.value.message == "There was an error parsing the body"
+
+
+# --- hostile bodies: 400s in vLLM's envelope, never a 500 from the parser or later -------------------
+
+
+def _nested(depth: int, inner: bytes = b"1") -> bytes:
+    return b'{"a":' * (depth - 1) + b"[" + inner + b"]" + b"}" * (depth - 1)
+
+
+def _bad_request(body) -> dict:
+    with pytest.raises(ApiError) as got:
+        load_body(body)
+    status, env = envelope(got.value)
+    assert status == 400 == env["error"]["code"]
+    return env["error"]
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 1000, 1023, 1025, 5000, 100_000])
+@pytest.mark.parametrize("inner", [b"1", b"12345678901234567890123"])  # orjson, and the json fallback
+def test_deep_nesting_is_a_400(depth, inner):
+    err = _bad_request(_nested(depth, inner))
+    assert (err["type"], err["message"]) == ("BadRequestError", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    _bad_request(_nested(depth, inner).decode())  # a str body too
+
+
+def test_deep_nesting_inside_a_chat_request_is_a_400():
+    body = b'{"generate_response": {}, "chat_request": {"messages": [' + b"[" * 3000 + b"]" * 3000 + b"]}}"
+    assert _bad_request(body)["message"] == f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
+
+
+def test_nesting_up_to_the_limit_parses():
+    assert parse_json(_nested(MAX_JSON_DEPTH)) == json.loads(_nested(MAX_JSON_DEPTH))
+    assert parse_json(_nested(MAX_JSON_DEPTH, b"12345678901234567890123")) is not None
+    many = {"content": [{"token_id": i, "top_logprobs": [{"token_id": i}]} for i in range(500)]}  # many brackets, shallow
+    assert parse_json(json.dumps(many).encode()) == many
+
+
+def test_integers_past_4300_digits_are_a_400():
+    assert parse_json(b'{"n": ' + b"9" * 4300 + b"}") == {"n": int("9" * 4300)}
+    err = _bad_request(b'{"token_ids": [' + b"9" * 4301 + b"]}")
+    assert (err["type"], err["message"]) == ("Bad Request", "There was an error parsing the body")  # FastAPI's words
+
+
+@pytest.mark.parametrize(
+    "body", [b'{"logprob": NaN}', b'{"logprob": Infinity}', b'{"logprob": -Infinity}', b'{"logprob": 1e999}', b"[-1e400]"]
+)
+def test_nan_and_infinity_are_a_400(body):
+    err = _bad_request(body)
+    assert (err["type"], err["message"]) == ("BadRequestError", "Out of range float values are not JSON compliant")
+
+
+@pytest.mark.parametrize("value", [True, False, None])
+def test_stream_flag_takes_json_booleans(value):
+    assert stream_flag({"stream": value}) is bool(value)
+    assert stream_flag({}) is False and stream_flag([{"stream": True}]) is False
+
+
+@pytest.mark.parametrize("value", ["false", "true", "", 0, 1, [], {}, 0.0])
+def test_stream_flag_rejects_anything_else(value):
+    with pytest.raises(ApiError) as got:
+        stream_flag({"stream": value})
+    status, env = envelope(got.value)
+    assert status == 400 and env["error"]["param"] == "body.stream"
+    assert "Input should be a valid boolean" in env["error"]["message"]

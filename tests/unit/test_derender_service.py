@@ -1,0 +1,144 @@
+"""Hostile derender bodies are 400s in vLLM's envelope, never 500s (plain derender, called directly)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serve_app.config import AppArgs
+from serve_app.derender.plain import build_plain_service
+from serve_app.errors import ApiError, envelope
+
+U32 = 2**32
+
+
+@pytest.fixture(scope="module")
+def service():
+    args = AppArgs(model="qwen3-tiny")  # a Rust (fast) tokenizer: OverflowError outside u32
+    return build_plain_service(args, args.resolve())
+
+
+@pytest.fixture(scope="module")
+def partial(service) -> int:
+    """An id whose text alone is an incomplete UTF-8 character: its logprob text is repaired from context ids."""
+    tok = service.tok
+    return next(i for i in range(tok.vocab_size) if tok.piece(i) and tok.decode([i]).endswith("\ufffd"))
+
+
+def _gen(ids: list[int], logprobs: dict | None = None, **extra) -> dict:
+    return {"request_id": "r", "choices": [{"index": 0, "token_ids": ids, "logprobs": logprobs}], **extra}
+
+
+def _lp(token_id: int, logprob: float = -1.0, top: int | None = None, top_logprob: float = -2.0) -> dict:
+    entry = {"token_id": token_id, "logprob": logprob}
+    if top is not None:
+        entry["top_logprobs"] = [{"token_id": top, "logprob": top_logprob}]
+    return {"content": [entry]}
+
+
+def _body(kind: str, stream: bool, gen: dict, **fields) -> dict:
+    if kind == "chat":
+        body = {"generate_chunk": gen} if stream else {"generate_response": gen}
+    else:
+        body = {"generate_chunk": gen} if stream else {"generate_responses": [gen]}
+        body["completion_request"] = {"prompt": "x"}
+    return {"stream": True, **body, **fields} if stream else {**body, **fields}
+
+
+def _call(service, kind: str, body) -> bytes:
+    return getattr(service, kind)(json.dumps(body).encode() if isinstance(body, dict) else body)
+
+
+def _assert_400(service, kind: str, body) -> dict:
+    with pytest.raises(ApiError) as got:
+        _call(service, kind, body)
+    status, env = envelope(got.value)
+    assert status == 400 == env["error"]["code"], env
+    return env["error"]
+
+
+KINDS = [("chat", False), ("chat", True), ("completion", False), ("completion", True)]
+
+
+@pytest.mark.parametrize(("kind", "stream"), KINDS)
+def test_deep_json_is_a_400(service, kind, stream):
+    body = json.dumps(_body(kind, stream, _gen([1]))).encode()
+    deep = b"[" * 5000 + b"]" * 5000
+    _assert_400(service, kind, body[:-1] + b', "x": ' + deep + b"}")
+    request = b'"chat_request": {"messages": [' if kind == "chat" else b'"completion_request": {"prompt": ['
+    _assert_400(service, kind, body[:-1] + b", " + request + deep + b"]}}")
+
+
+@pytest.mark.parametrize(("kind", "stream"), KINDS)
+def test_integers_past_4300_digits_are_a_400(service, kind, stream):
+    body = json.dumps(_body(kind, stream, _gen([7]))).encode()
+    _assert_400(service, kind, body.replace(b"[7]", b"[" + b"7" * 5000 + b"]"))
+
+
+@pytest.mark.parametrize(("kind", "stream"), KINDS)
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-1e999"])
+def test_non_finite_logprobs_are_a_400(service, kind, stream, value):
+    body = json.dumps(_body(kind, stream, _gen([5], _lp(5, -1.5, top=6, top_logprob=-2.5)))).encode()
+    _assert_400(service, kind, body.replace(b"-1.5", value, 1))  # the sampled token's logprob
+    _assert_400(service, kind, body.replace(b"-2.5", value, 1))  # a top logprob
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_logprobs_from_a_handle_caller_are_a_400(service, value):
+    # A by-handle caller passes a dict: no JSON parse, so the models themselves refuse it.
+    _assert_400(service, "chat", {"generate_response": _gen([5], _lp(5, value))})
+    _assert_400(service, "chat", {"generate_response": _gen([5], _lp(5, top=6, top_logprob=value))})
+    prompt_logprobs = [None, {"5": {"logprob": value}}]
+    _assert_400(service, "chat", {"generate_response": _gen([5], prompt_logprobs=prompt_logprobs)})
+
+
+@pytest.mark.parametrize("bad", [U32, 2**40, 2**64, 10**30])
+@pytest.mark.parametrize(("kind", "stream"), KINDS)
+def test_token_ids_past_u32_are_a_400(service, kind, stream, bad):
+    prompt_ids = [[bad]] if kind == "completion" and not stream else [bad]
+    for body in (
+        _body(kind, stream, _gen([bad])),
+        _body(kind, stream, _gen([5], _lp(bad))),
+        _body(kind, stream, _gen([5], _lp(5, top=bad))),
+        _body(kind, stream, _gen([5], prompt_token_ids=[bad])),
+        _body(kind, stream, _gen([5]), prompt_token_ids=prompt_ids),
+    ):
+        _assert_400(service, kind, body)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("bad", [U32, 2**64, -1])
+def test_stream_state_ids_past_u32_are_a_400(service, partial, kind, bad):
+    # The logprob context repairs a partial character by decoding context + id: OverflowError there.
+    gen = _gen([partial], _lp(partial, top=partial))
+    _assert_400(service, kind, _body(kind, True, gen, stream_state={"logprob_context_token_ids": [bad]}))
+    state = {"output_token_ids": [bad], "output_chunk_lens": [1]}
+    _assert_400(service, kind, _body(kind, True, _gen([5]), stream_state=state))
+
+
+@pytest.mark.parametrize(("kind", "stream"), KINDS)
+def test_negative_logprob_ids_are_a_400(service, partial, kind, stream):
+    # A negative id as the context of a partial character reached the tokenizer (OverflowError).
+    gen = {"request_id": "r", "choices": [{"index": 0, "token_ids": [partial, partial],
+                                           "logprobs": {"content": [{"token_id": -1, "logprob": -1.0},
+                                                                    {"token_id": partial, "logprob": -1.0}]}}]}
+    _assert_400(service, kind, _body(kind, stream, gen))
+
+
+@pytest.mark.parametrize(("kind", "stream"), KINDS)
+def test_ids_past_the_vocabulary_but_within_u32_still_decode(service, partial, kind, stream):
+    # vLLM decodes ids past the vocabulary as empty text; only the u32 overflow is an error.
+    for tid in (service.tok.vocab_size + 5, U32 - 1):
+        gen = _gen([tid, 5], {"content": [{"token_id": tid, "logprob": -1.0, "top_logprobs": [{"token_id": tid, "logprob": -1.0}]},
+                                          {"token_id": 5, "logprob": -1.0}]})
+        fields = {"stream_state": {"logprob_context_token_ids": [tid], "output_token_ids": [tid], "output_chunk_lens": [1]}} if stream else {}
+        json.loads(_call(service, kind, _body(kind, stream, gen, **fields)))
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("value", ["false", "true", "False", None, []])
+def test_stream_that_is_not_a_boolean_is_a_400(service, kind, value):
+    for stream in (False, True):  # the body of either branch
+        err = _assert_400(service, kind, {**_body(kind, stream, _gen([5])), "stream": value})
+        assert "stream" in err["message"]
