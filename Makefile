@@ -28,5 +28,8 @@ SERVE_ENV := RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1
 run: $(STAMP)
 	$(SERVE_ENV) $(VENV)/bin/serve run serve_config.yaml
 
+# Lint and types first: seconds, and a failure there needs no cluster to show.
 test: $(STAMP)
+	$(VENV)/bin/ruff check serve_app tests bench examples
+	$(VENV)/bin/mypy
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

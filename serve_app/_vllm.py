@@ -8,7 +8,6 @@ upgrade should be a one-file diff.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 from typing import Any
@@ -114,7 +113,7 @@ async def call_vllm(coro: Any, error_cls: type) -> Any:
     except Exception as exc:
         raise api_error(exc) from None
     if isinstance(result, error_cls):
-        info = result.error
+        info = result.error  # type: ignore[attr-defined]  # vLLM's ErrorResponse
         raise ApiError(info.message, param=info.param, status_code=int(info.code), err_type=info.type)
     return result
 
@@ -194,8 +193,9 @@ class ParserKit:
         return request
 
 
-async def build_parser_kit(args: AppArgs, model: ResolvedModel) -> ParserKit:
-    return ParserKit(await build_render_state(args, model))
+async def build_parser_kit(args: AppArgs, model: ResolvedModel, state: RenderState | None = None) -> ParserKit:
+    """vLLM's parsers over ``state``: a colocated Render's (built once per process), or a new one."""
+    return ParserKit(state if state is not None else await build_render_state(args, model))
 
 
 # --- the engine: what `vllm serve --tokens-only` builds -------------------------------------------

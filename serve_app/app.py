@@ -40,21 +40,17 @@ def build_app(args: AppArgs) -> Application:
     """
     model = args.resolve()
 
-    def options(deployment: Any, overrides: dict[str, Any]) -> dict[str, Any]:
-        return merge_options(deployment.func_or_class.deployment_options(args), overrides)
+    def bind(deployment: Any, overrides: dict[str, Any], *bind_args: Any, **bind_kwargs: Any) -> Any:
+        """The deployment with its defaults, the user's overrides merged over them, bound to its arguments."""
+        opts = merge_options(deployment.func_or_class.deployment_options(args), overrides)
+        return deployment.options(**opts).bind(*bind_args, **bind_kwargs)
 
-    render = Render.options(**options(Render, args.deployments.render)).bind(args, model)
-    plain = PlainDerender.options(**options(PlainDerender, args.deployments.plain_derender)).bind(args, model)
-    parser = (
-        ParserDerender.options(**options(ParserDerender, args.deployments.parser_derender)).bind(args, model)
-        if args.has_parser
-        else None
-    )
+    render = bind(Render, args.deployments.render, args, model)
+    plain = bind(PlainDerender, args.deployments.plain_derender, args, model)
+    parser = bind(ParserDerender, args.deployments.parser_derender, args, model) if args.has_parser else None
     engine = None
     if args.engine.enabled:
         from serve_app.engine import Engine
 
-        engine = Engine.options(**options(Engine, args.deployments.engine)).bind(args, model)
-    return Ingress.options(**options(Ingress, args.deployments.ingress)).bind(
-        args, model, render, plain, parser, engine=engine
-    )
+        engine = bind(Engine, args.deployments.engine, args, model)
+    return bind(Ingress, args.deployments.ingress, args, model, render, plain, parser, engine=engine)

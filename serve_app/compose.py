@@ -1,12 +1,14 @@
-"""The composed OpenAI endpoints: ``/v1/chat/completions`` and ``/v1/completions`` inside the cluster.
+"""The composed OpenAI endpoints, ``/v1/chat/completions`` and ``/v1/completions``: the one place
+render -> engine -> derender is wired.
 
 One request is rendered (``Render``, in-process when colocated), generated (``Engine``, a streaming
 handle: one Serve hop per engine chunk) and derendered here, in the caller's process: each choice
-gets one in-memory derender session that holds its detokenizer window (and, with parsers, its live
+gets one in-memory derender stream that holds its detokenizer window (and, with parsers, its live
 vLLM parser) for the whole stream, so nothing is replayed and no ``stream_state`` makes a round trip.
+The Ingress serves it over HTTP and, for :class:`serve_app.client.ServeAppClient`, by handle.
 
-Ray-free: the stages are plain async callables (:class:`Stages`), so the Ingress wires deployment
-handles in and tests or other hosts can wire anything with the same shapes.
+:class:`ComposedService` is Ray-free: the stages are plain async callables (:class:`Stages`);
+:func:`build_composed` wires deployment handles (or colocated services) into them.
 
 Cost per engine chunk on this path: one ``generate_stream`` chunk (a small dict) through Ray, one
 derender ``feed`` (tens of microseconds without parsers), one JSON dump for the SSE frame.
@@ -17,37 +19,61 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Protocol
 
 from serve_app.derender.stop import engine_stop_reason
 from serve_app.errors import envelope
-from serve_app.wire import dump_json, stream_flag
+from serve_app.streaming import cancel_on_close, peek
+from serve_app.wire import stream_flag
 
-__all__ = ["ComposedService", "Stages", "open_derender_stream", "sse_frame", "sse_stream", "SSE_DONE"]
+__all__ = [
+    "ChatDerender",
+    "ComposedService",
+    "CompletionDerender",
+    "DerenderStream",
+    "InProcess",
+    "Stages",
+    "build_composed",
+]
 
-SSE_DONE = b"data: [DONE]\n\n"
+logger = logging.getLogger(__name__)
 
 
-def sse_frame(obj: Any) -> bytes:
-    """One server-sent event as vLLM writes it: ``data: <json>\\n\\n``."""
-    return b"data: " + dump_json(obj) + b"\n\n"
+class DerenderStream(Protocol):
+    """One choice's in-memory derender stream."""
+
+    def feed(self, generate_chunk: Any) -> dict[str, Any]:
+        """A ``GenerateTokensStreamResponse`` (dict or model) in, the response chunk dict out."""
+        ...
 
 
-async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-    """Chunk dicts as vLLM's SSE body: one frame each, then ``[DONE]``; closing it closes ``chunks``."""
-    try:
-        async for chunk in chunks:
-            yield sse_frame(chunk)
-    finally:
-        await chunks.aclose()
-    yield SSE_DONE
+class ChatDerender(Protocol):
+    """A chat derender service (plain, or with vLLM's parsers), in-process."""
+
+    def chat(self, body: bytes | dict[str, Any]) -> bytes: ...
+
+    def open_chat_stream(
+        self, chat_request: dict[str, Any], prompt_token_ids: list[int], prompt_tokens: int | None = None, model: str | None = None
+    ) -> DerenderStream: ...
+
+
+class CompletionDerender(Protocol):
+    """The completions derender service (always plain), in-process."""
+
+    def completion(self, body: bytes | dict[str, Any]) -> bytes: ...
+
+    def open_completion_stream(
+        self, completion_request: dict[str, Any], prompt_token_ids: list[int], prompt_tokens: int | None = None, model: str | None = None
+    ) -> DerenderStream: ...
 
 
 @dataclass(slots=True)
 class Stages:
-    """The three stages as async callables (deployment handles, or in-process services).
+    """Render and the engine as async callables (deployment handles, or in-process services).
 
     ``render_chat(body, request_id) -> bytes``: the ``GenerateRequest`` JSON; ``render_completion``:
     a JSON list of them. ``generate(request) -> bytes``: the ``GenerateTokensResponse`` JSON.
@@ -55,28 +81,53 @@ class Stages:
     ``aclose()`` cancels the engine request.
     """
 
-    render_chat: Callable[[dict, str | None], Awaitable[bytes]]
-    render_completion: Callable[[dict, str | None], Awaitable[bytes]]
-    generate: Callable[[dict], Awaitable[bytes]]
-    generate_stream: Callable[[dict], AsyncIterator[dict]]
+    render_chat: Callable[[dict[str, Any], str | None], Awaitable[bytes]]
+    render_completion: Callable[[dict[str, Any], str | None], Awaitable[bytes]]
+    generate: Callable[[dict[str, Any]], Awaitable[bytes]]
+    generate_stream: Callable[[dict[str, Any]], AsyncIterator[dict[str, Any]]]
 
 
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
+class InProcess:
+    """A colocated stage: ``obj.method.remote(*args)`` awaits ``service.method(*args)`` in this process,
+    the same surface as its deployment handle, so callers do not care which they hold."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.service, name)
+        remote = method if inspect.iscoroutinefunction(method) else _as_coroutine(method)
+        return SimpleNamespace(remote=remote)
 
 
-def open_derender_stream(
-    service: Any, kind: str, request: dict[str, Any], prompt_token_ids: list[int], prompt_tokens: int
-) -> Any:
-    """One choice's in-memory derender session (``feed(generate_chunk) -> chunk dict``)."""
-    if kind == "chat":
-        return service.open_chat_stream(request, prompt_token_ids, prompt_tokens)
-    # No prompt_tokens: a multi-prompt usage chunk carries the sum over prompts, which must win.
-    return service.open_completion_stream(request, prompt_token_ids)
+def _as_coroutine(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+    async def call(*args: Any) -> Any:
+        return fn(*args)
+
+    return call
 
 
-async def feed(session: Any, generate_chunk: dict[str, Any]) -> dict[str, Any]:
-    return await _maybe_await(session.feed(generate_chunk))
+async def build_composed(args: Any, model: Any, render: Any, plain_derender: Any, engine: Any) -> ComposedService:
+    """The composition for one Ingress replica: render and engine by handle (or colocated), derender
+    in this process (one Serve hop per token). ``plain_derender`` is reused when colocated."""
+    from serve_app.derender.plain import build_plain_service
+
+    plain = plain_derender.service if isinstance(plain_derender, InProcess) else build_plain_service(args, model)
+    chat: ChatDerender = plain
+    if args.has_parser:
+        from serve_app.derender.parser import build_parser_service
+
+        # A colocated Render already holds vLLM's render state (~0.6 GiB): the parsers reuse it.
+        state = render.service.state if isinstance(render, InProcess) else None
+        chat = await build_parser_service(args, model, state)
+    generate_stream = engine.options(stream=True, method_name="generate_stream")
+    stages = Stages(
+        render_chat=lambda body, rid: render.chat.remote(body, rid),
+        render_completion=lambda body, rid: render.completion.remote(body, rid),
+        generate=lambda body: engine.generate.remote(body),
+        generate_stream=lambda body: cancel_on_close(generate_stream.remote(body)),
+    )
+    return ComposedService(stages, chat, plain, model.eos_token_id)
 
 
 class ComposedService:
@@ -84,44 +135,34 @@ class ComposedService:
 
     Args:
         stages: how to reach render and the engine.
-        chat_derender: the chat derender service (plain, or with parsers when configured), in-process.
-        completion_derender: the completions derender service (always plain), in-process.
-        eos_token_id: the tokenizer's EOS id. A tokens-only engine does not know it and reports
-            ``stop_reason=<id>`` where coupled ``vllm serve`` reports ``None``; it is mapped back.
+        chat_derender: the chat derender service (plain, or with parsers when configured).
+        completion_derender: the completions derender service.
+        eos_token_id: the tokenizer's EOS id, to report ``stop_reason`` as coupled ``vllm serve``
+            does (:func:`serve_app.derender.stop.engine_stop_reason`).
     """
 
-    def __init__(self, stages: Stages, chat_derender: Any, completion_derender: Any, eos_token_id: int | None) -> None:
+    def __init__(
+        self, stages: Stages, chat_derender: ChatDerender, completion_derender: CompletionDerender, eos_token_id: int | None
+    ) -> None:
         self.stages = stages
         self.chat_derender = chat_derender
         self.completion_derender = completion_derender
         self.eos_token_id = eos_token_id
-
-    # --- helpers --------------------------------------------------------------------------------
 
     def _fix_stop_reason(self, choices: list[dict[str, Any]], gen_request: dict[str, Any]) -> None:
         stop_ids = (gen_request.get("sampling_params") or {}).get("stop_token_ids")
         for choice in choices:
             engine_stop_reason(choice, self.eos_token_id, stop_ids)
 
-    async def _peeked(self, stream: AsyncIterator[dict]) -> tuple[dict | None, AsyncIterator[dict]]:
-        """The first chunk, awaited before the response is committed, so early errors are real statuses."""
-        try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            return None, stream
-        except BaseException:
-            await stream.aclose()
-            raise
-        return first, stream
-
     # --- chat -----------------------------------------------------------------------------------
 
     async def chat(self, body: dict[str, Any], request_id: str | None = None) -> bytes | AsyncIterator[dict[str, Any]]:
         """``/v1/chat/completions``: the response JSON bytes, or (``stream``) an iterator of the chunk
-        dicts (:func:`sse_stream` frames them), ending with vLLM's in-band error dict if the stream fails.
+        dicts (:func:`serve_app.streaming.sse_stream` frames them), ending with vLLM's in-band error
+        dict if the stream fails once started.
 
         Raises:
-            ApiError: render or engine rejected the request (before any byte is sent).
+            ApiError: render or engine rejected the request (before any chunk).
         """
         stream = stream_flag(body)
         gen = _no_detokenize(json.loads(await self.stages.render_chat(body, request_id)))
@@ -130,7 +171,7 @@ class ComposedService:
             response = json.loads(await self.stages.generate(gen))
             response["request_id"] = gen["request_id"]
             self._fix_stop_reason(response["choices"], gen)
-            out = self.chat_derender.chat(
+            return self.chat_derender.chat(
                 {
                     "generate_response": response,
                     "chat_request": body,
@@ -138,38 +179,27 @@ class ComposedService:
                     "prompt_tokens": len(prompt_ids),
                 }
             )
-            return await _maybe_await(out)
-        first, stream = await self._peeked(self.stages.generate_stream(gen))
-        return self._chat_chunks(body, gen, first, stream)
+        _, chunks = await peek(self.stages.generate_stream(gen))
+        return self._chat_chunks(body, gen, chunks)
 
     async def _chat_chunks(
-        self, body: dict[str, Any], gen: dict[str, Any], first: dict | None, stream: AsyncIterator[dict]
+        self, body: dict[str, Any], gen: dict[str, Any], chunks: AsyncIterator[dict[str, Any]]
     ) -> AsyncIterator[dict[str, Any]]:
         prompt_ids, request_id = gen["token_ids"], gen["request_id"]
-        sessions: dict[int, Any] = {}
-
-        def session(index: int) -> Any:
-            if index not in sessions:
-                sessions[index] = open_derender_stream(self.chat_derender, "chat", body, prompt_ids, len(prompt_ids))
-            return sessions[index]
-
-        async def chunks() -> AsyncIterator[dict]:
-            if first is not None:
-                yield first
-            async for chunk in stream:
-                yield chunk
-
+        streams: dict[int, DerenderStream] = {}
         try:
-            async for chunk in chunks():
+            async for chunk in chunks:
                 chunk["request_id"] = request_id
                 choices = chunk.get("choices") or []
                 self._fix_stop_reason(choices, gen)
                 index = choices[0]["index"] if choices else 0
-                yield await feed(session(index), chunk)
+                if index not in streams:
+                    streams[index] = self.chat_derender.open_chat_stream(body, prompt_ids, len(prompt_ids))
+                yield streams[index].feed(chunk)
         except Exception as exc:  # the stream is committed: vLLM's in-band error frame
-            yield envelope(exc)[1]
+            yield _in_band_error(exc, request_id)
         finally:
-            await stream.aclose()
+            await chunks.aclose()  # type: ignore[attr-defined]
 
     # --- completions ----------------------------------------------------------------------------
 
@@ -178,14 +208,14 @@ class ComposedService:
         stream = stream_flag(body)
         gens = [_no_detokenize(g) for g in json.loads(await self.stages.render_completion(body, request_id))]
         if not stream:
-            responses = await asyncio.gather(*(self.stages.generate(g) for g in gens))
+            responses = await _gather_or_cancel([self.stages.generate(g) for g in gens])
             parsed = []
-            for gen, raw in zip(gens, responses):
+            for gen, raw in zip(gens, responses, strict=True):
                 response = json.loads(raw)
                 response["request_id"] = _base_id(gens, gen)
                 self._fix_stop_reason(response["choices"], gen)
                 parsed.append(response)
-            out = self.completion_derender.completion(
+            return self.completion_derender.completion(
                 {
                     "generate_responses": parsed,
                     "completion_request": body,
@@ -193,42 +223,32 @@ class ComposedService:
                     "prompt_tokens": [len(g["token_ids"]) for g in gens],
                 }
             )
-            return await _maybe_await(out)
         usage_wanted = bool((body.get("stream_options") or {}).get("include_usage"))
         if len(gens) > 1:  # one usage chunk for all prompts, summed here (each engine would send its own)
             gens = [{**g, "stream_options": None} for g in gens]
-        streams = [self.stages.generate_stream(g) for g in gens]
-        merged = _merge(streams)
-        first, merged = await self._peeked(merged)
-        return self._completion_chunks(body, gens, first, merged, usage_wanted and len(gens) > 1)
+        _, merged = await peek(merge([self.stages.generate_stream(g) for g in gens]))
+        return self._completion_chunks(body, gens, merged, usage_wanted and len(gens) > 1)
 
     async def _completion_chunks(
         self,
         body: dict[str, Any],
         gens: list[dict[str, Any]],
-        first: tuple[int, dict] | None,
-        merged: AsyncIterator[tuple[int, dict]],
+        merged: AsyncIterator[tuple[int, dict[str, Any]]],
         synthesize_usage: bool,
     ) -> AsyncIterator[dict[str, Any]]:
         n = int((gens[0].get("sampling_params") or {}).get("n") or 1)
         request_id = _base_id(gens, gens[0])
-        sessions: dict[int, Any] = {}
+        streams: dict[int, DerenderStream] = {}
         completion_tokens = 0
 
-        def session(index: int, prompt: int) -> Any:
-            if index not in sessions:
-                ids = gens[prompt]["token_ids"]
-                sessions[index] = open_derender_stream(self.completion_derender, "completion", body, ids, len(ids))
-            return sessions[index]
-
-        async def chunks() -> AsyncIterator[tuple[int, dict]]:
-            if first is not None:
-                yield first
-            async for item in merged:
-                yield item
+        def stream(index: int, prompt: int) -> DerenderStream:
+            if index not in streams:
+                # No prompt_tokens: a multi-prompt usage chunk carries the sum over prompts, which must win.
+                streams[index] = self.completion_derender.open_completion_stream(body, gens[prompt]["token_ids"])
+            return streams[index]
 
         try:
-            async for prompt, chunk in chunks():
+            async for prompt, chunk in merged:
                 chunk["request_id"] = request_id
                 choices = chunk.get("choices") or []
                 self._fix_stop_reason(choices, gens[prompt])
@@ -236,7 +256,7 @@ class ComposedService:
                 for choice in choices:
                     choice["index"] = index = prompt * n + choice["index"]
                     completion_tokens += len(choice.get("token_ids") or ())
-                yield await feed(session(index, prompt), chunk)
+                yield stream(index, prompt).feed(chunk)
             if synthesize_usage:
                 prompt_tokens = sum(len(g["token_ids"]) for g in gens)
                 usage = {
@@ -244,12 +264,17 @@ class ComposedService:
                     "completion_tokens": completion_tokens,
                     "total_tokens": prompt_tokens + completion_tokens,
                 }
-                usage_chunk = {"request_id": request_id, "choices": [], "usage": usage}
-                yield await feed(session(0, 0), usage_chunk)
+                yield stream(0, 0).feed({"request_id": request_id, "choices": [], "usage": usage})
         except Exception as exc:
-            yield envelope(exc)[1]
+            yield _in_band_error(exc, request_id)
         finally:
-            await merged.aclose()
+            await merged.aclose()  # type: ignore[attr-defined]
+
+
+def _in_band_error(exc: Exception, request_id: str) -> dict[str, Any]:
+    status, body = envelope(exc)
+    logger.warning("stream %s failed after it started; in-band error %d: %s", request_id, status, body["error"]["message"])
+    return body
 
 
 def _no_detokenize(gen: dict[str, Any]) -> dict[str, Any]:
@@ -262,7 +287,7 @@ def _no_detokenize(gen: dict[str, Any]) -> dict[str, Any]:
 
 def _base_id(gens: list[dict[str, Any]], gen: dict[str, Any]) -> str:
     """The response id: render numbers multi-prompt requests ``<id>-<i>``; the response has ``<id>``."""
-    rid = gen["request_id"]
+    rid: str = gen["request_id"]
     if len(gens) > 1:
         base, _, suffix = rid.rpartition("-")
         if suffix.isdigit() and base:
@@ -270,23 +295,41 @@ def _base_id(gens: list[dict[str, Any]], gen: dict[str, Any]) -> str:
     return rid
 
 
-async def _merge(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
-    """Interleave several engine streams as chunks arrive, tagging each with its stream's position."""
-    if len(streams) == 1:
+async def _gather_or_cancel(calls: list[Awaitable[bytes]]) -> list[bytes]:
+    """Every call's result; when one fails, the others are cancelled (not left generating) and it raises."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for call, task in zip(calls, tasks, strict=True):
+            task.cancel()
+            if hasattr(call, "cancel"):  # a DeploymentResponse: cancel the replica's request too
+                call.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def merge(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """Interleave several engine streams as chunks arrive, each tagged with its stream's position.
+
+    When one fails, or the consumer stops, every pump is cancelled and awaited before the streams are
+    closed (so no stream is closed while a pump still reads it), and the failure is raised.
+    """
+    if len(streams) == 1:  # the common case: no tasks, no queue
         try:
             async for chunk in streams[0]:
                 yield 0, chunk
         finally:
-            await streams[0].aclose()
+            await streams[0].aclose()  # type: ignore[attr-defined]
         return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, stream: AsyncIterator[dict]) -> None:
+    async def pump(i: int, stream: AsyncIterator[dict[str, Any]]) -> None:
         try:
             async for chunk in stream:
                 await queue.put((i, chunk))
-        except BaseException as exc:  # noqa: BLE001  (re-raised by the consumer)
+        except Exception as exc:  # re-raised by the consumer
             await queue.put((i, exc))
         finally:
             await queue.put((i, done))
@@ -298,12 +341,13 @@ async def _merge(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int,
             i, item = await queue.get()
             if item is done:
                 remaining -= 1
-            elif isinstance(item, BaseException):
+            elif isinstance(item, Exception):
                 raise item
             else:
                 yield i, item
     finally:
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
-            await stream.aclose()
+            await stream.aclose()  # type: ignore[attr-defined]

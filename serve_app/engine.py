@@ -169,7 +169,7 @@ class Engine:
             "graceful_shutdown_timeout_s": 30,
         }
 
-    async def __init__(self, args: AppArgs, model: ResolvedModel) -> None:
+    async def __init__(self, args: AppArgs, model: ResolvedModel) -> None:  # type: ignore[misc]  # Serve awaits it
         self.service = await EngineService.create(args, model)
 
     async def generate(self, body: bytes | dict, headers: dict[str, str] | None = None) -> bytes:

@@ -12,7 +12,8 @@ tracebacks or memory addresses).
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 __all__ = [
     "ApiError",
@@ -31,8 +32,9 @@ __all__ = [
 class ApiError(Exception):
     """An error with an HTTP status, a vLLM ``type`` string and an optional ``param``."""
 
-    status_code: ClassVar[int] = 500
-    err_type: ClassVar[str] = "InternalServerError"
+    # Class defaults per subclass; an instance may carry vLLM's own status and type instead.
+    status_code: int = 500
+    err_type: str = "InternalServerError"
 
     def __init__(
         self, message: str, param: str | None = None, *, status_code: int | None = None, err_type: str | None = None
@@ -45,7 +47,7 @@ class ApiError(Exception):
         if err_type is not None:
             self.err_type = err_type
 
-    def __reduce__(self):  # keep every field across Ray's pickling between replicas
+    def __reduce__(self) -> tuple[Any, ...]:  # keep every field across Ray's pickling between replicas
         return (_rebuild, (type(self), self.message, self.param, self.status_code, self.err_type))
 
 
@@ -173,7 +175,7 @@ def _summarize_input(value: object) -> object:
     return text[:_MAX_ERROR_INPUT_CHARS] + "...[truncated]" if len(text) > _MAX_ERROR_INPUT_CHARS else text
 
 
-def _format_error(err: dict[str, Any]) -> str:
+def _format_error(err: Mapping[str, Any]) -> str:
     err = dict(err)
     err.pop("url", None)
     if "input" in err:
@@ -184,7 +186,7 @@ def _format_error(err: dict[str, Any]) -> str:
     return text[:_MAX_ERROR_CHARS] + "...[truncated]" if len(text) > _MAX_ERROR_CHARS else text
 
 
-def validation_error(errors: list[dict[str, Any]], loc_prefix: tuple[str, ...] = ("body",)) -> BadRequestError:
+def validation_error(errors: Sequence[Mapping[str, Any]], loc_prefix: tuple[str, ...] = ("body",)) -> BadRequestError:
     """Build vLLM's 400 for pydantic ``errors()``: ``"N validation error(s):\\n  {...}"``, ``param`` = first loc."""
     errors = [{**e, "loc": (*loc_prefix, *e.get("loc", ()))} for e in errors]
     if not errors:

@@ -8,13 +8,13 @@ deployments by handle; the ingress itself stays free of vLLM and tokenizers.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
+import logging
 import secrets
 import time
-from types import SimpleNamespace
+from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,13 +22,23 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serve_app.compose import ComposedService, InProcess, build_composed
 from serve_app.config import AppArgs, ResolvedModel
-from serve_app.wire import check_json_content_type
-from serve_app.errors import ApiError, envelope, error_body, validation_error
+from serve_app.errors import ApiError, ServiceUnavailableError, envelope, error_body, validation_error
 from serve_app.limits import BodySizeLimitMiddleware
 from serve_app.metrics import CONTENT_TYPE_LATEST, HttpMetrics, MetricsMiddleware
+from serve_app.streaming import cancel_on_close, sse_response, sse_stream
+from serve_app.wire import check_json_content_type, load_body, stream_flag
 
 __all__ = ["Ingress", "api"]
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 2  # what a 503 asks the client to wait, in seconds
+_READINESS_TTL_S = 1.0  # /ready asks the Serve controller at most this often per replica
+
+RenderMethod = Literal["chat", "completion", "messages", "responses", "tokenize", "detokenize"]
+"""The ``Render`` methods the render routes forward to."""
 
 
 def _vllm_version() -> str:
@@ -62,9 +72,15 @@ async def _validation_exception(_: Request, exc: RequestValidationError) -> JSON
 
 
 @api.exception_handler(Exception)
-async def _any_exception(_: Request, exc: Exception) -> JSONResponse:
+async def _any_exception(request: Request, exc: Exception) -> JSONResponse:
     status, body = envelope(exc)
-    return JSONResponse(body, status_code=status)
+    if status >= 500:
+        logger.error("%s %s -> %d", request.method, request.url.path, status, exc_info=exc)
+    else:
+        logger.info("%s %s -> %d: %s", request.method, request.url.path, status, body["error"]["message"][:200])
+    # A stage that is down or overloaded: tell the client when to come back.
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 # ApiError is handled by the specific handler so it is answered inside ExceptionMiddleware, where
@@ -120,79 +136,12 @@ def stream_id(body: bytes) -> str | None:
     return value if 0 < len(value) <= _MAX_STREAM_ID else None
 
 
-class InProcess:
-    """Wraps a service object so ``obj.method.remote(*args)`` awaits ``service.method(*args)`` in-process."""
-
-    def __init__(self, service: Any) -> None:
-        self._service = service
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._service, name)
-        remote = method if inspect.iscoroutinefunction(method) else _as_coroutine(method)
-        return SimpleNamespace(remote=remote)
-
-
-def _as_coroutine(fn: Any) -> Any:
-    async def call(*args: Any) -> Any:
-        return fn(*args)
-
-    return call
-
-
-async def _handle_stream(gen: Any) -> Any:
-    """A streaming handle call as an async iterator whose ``aclose()`` cancels the call downstream
-    (client disconnect -> the engine aborts the request)."""
-    try:
-        async for item in gen:
-            yield item
-    finally:
-        gen.cancel()
-
-
-async def _sse_response(frames: Any, encode: Any = None) -> Any:
-    """``text/event-stream`` over an async iterator, its first item awaited before the 200 is committed."""
-    from fastapi.responses import StreamingResponse
-
-    try:
-        first = await frames.__anext__()
-    except StopAsyncIteration:
-        first = None
-    except BaseException:
-        await frames.aclose()
-        raise
-
-    async def body() -> Any:
-        try:
-            if first is not None:
-                yield encode(first) if encode else first
-            async for item in frames:
-                yield encode(item) if encode else item
-        finally:
-            await frames.aclose()
-
-    return StreamingResponse(body(), media_type="text/event-stream")
-
-
-async def _compose(args: AppArgs, model: ResolvedModel, render: Any, plain_derender: Any, engine: Any) -> Any:
-    """The composed OpenAI endpoints' core, with derender in this replica (one Serve hop per token)."""
-    from serve_app.compose import ComposedService, Stages
-    from serve_app.derender.plain import build_plain_service
-
-    plain = plain_derender._service if isinstance(plain_derender, InProcess) else build_plain_service(args, model)
-    if args.has_parser:
-        from serve_app.derender.parser import build_parser_service
-
-        chat = await build_parser_service(args, model)
-    else:
-        chat = plain
-    generate_stream = engine.options(stream=True, method_name="generate_stream")
-    stages = Stages(
-        render_chat=lambda body, rid: render.chat.remote(body, rid),
-        render_completion=lambda body, rid: render.completion.remote(body, rid),
-        generate=lambda body: engine.generate.remote(body),
-        generate_stream=lambda body: _handle_stream(generate_stream.remote(body)),
-    )
-    return ComposedService(stages, chat, plain, model.eos_token_id)
+def _not_ready_deployments(app_name: str) -> list[str]:
+    """The deployments of ``app_name`` that are not HEALTHY, as ``name (STATUS)``; blocking (a controller call)."""
+    app = serve.status().applications.get(app_name)
+    if app is None:
+        return [f"{app_name} (not deployed)"]
+    return sorted(f"{name} ({d.status})" for name, d in app.deployments.items() if d.status != "HEALTHY")
 
 
 @serve.deployment(name="Ingress")
@@ -208,7 +157,7 @@ class Ingress:
             "ray_actor_options": {"num_cpus": 0.5},
         }
 
-    async def __init__(
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self,
         args: AppArgs,
         model: ResolvedModel,
@@ -234,12 +183,14 @@ class Ingress:
         self.plain_derender = plain_derender
         # Chat derender goes through vLLM's parsers exactly when the server has one configured,
         # as in vLLM; completions derender never parses.
-        self.chat_derender = parser_derender if args.has_parser else plain_derender
+        self.chat_derender: Any = parser_derender if args.has_parser else plain_derender
         self._created = int(time.time())
+        self._app_name = serve.get_replica_context().app_name
+        self._readiness: tuple[float, list[str]] = (float("-inf"), [])
         self.engine = engine
-        self._engine_sse = engine.options(stream=True, method_name="generate_sse") if engine is not None else None
+        self._engine_sse: Any = engine.options(stream=True, method_name="generate_sse") if engine is not None else None
         self._background: set[asyncio.Task] = set()
-        self.composed = await _compose(args, model, self.render, plain_derender, engine) if engine is not None else None
+        self.composed = await build_composed(args, model, self.render, plain_derender, engine) if engine is not None else None
         # Added here, not at import, because the limit is configuration.
         api.user_middleware.clear()
         api.add_middleware(BodySizeLimitMiddleware, max_bytes=args.limits.max_body_bytes)
@@ -248,7 +199,22 @@ class Ingress:
 
     @api.get("/health")
     async def health(self) -> Response:
+        """Liveness: this replica answers."""
         return Response(status_code=200)
+
+    @api.get("/ready")
+    async def ready(self) -> Response:
+        """Readiness: 200 once every deployment of this application is HEALTHY (all its replicas
+        RUNNING, the engine loaded); else 503 in the envelope, naming the stages that are not, with
+        ``Retry-After``. The controller's answer is cached for a second: cheap under probes."""
+        now = time.monotonic()
+        if now - self._readiness[0] > _READINESS_TTL_S:
+            self._readiness = (now, await asyncio.to_thread(_not_ready_deployments, self._app_name))
+        waiting = self._readiness[1]
+        if waiting:
+            status, body = envelope(ServiceUnavailableError(f"not ready: {', '.join(waiting)}"))
+            return JSONResponse(body, status_code=status, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return JSONResponse({"status": "ready"})
 
     @api.get("/version")
     async def version(self) -> dict[str, str]:
@@ -297,7 +263,7 @@ class Ingress:
         out = await method.remote(await request.body(), *extra)
         return Response(out, media_type="application/json")
 
-    async def _to_render(self, request: Request, method: str) -> Response:
+    async def _to_render(self, request: Request, method: RenderMethod) -> Response:
         return await self._forward(request, getattr(self.render, method), request.headers.get("x-request-id"))
 
     @api.post("/v1/chat/completions/derender")
@@ -356,7 +322,6 @@ class Ingress:
         engine = self._require_engine()
         check_json_content_type(request.headers.get("content-type"))
         from serve_app.engine import forwarded_headers
-        from serve_app.wire import load_body, stream_flag
 
         raw = await request.body()
         data = load_body(raw)
@@ -364,8 +329,7 @@ class Ingress:
         if not stream_flag(data):
             out = await engine.generate.remote(data if isinstance(data, dict) else raw, headers)
             return Response(out, media_type="application/json")
-        frames = _handle_stream(self._engine_sse.remote(data, headers))
-        return await _sse_response(frames, encode=str.encode)
+        return await sse_response(cancel_on_close(self._engine_sse.remote(data, headers)))
 
     async def _abort(self, request: Request) -> Response:
         engine = self._require_engine()
@@ -394,46 +358,53 @@ class Ingress:
     async def abort_requests_legacy(self, request: Request) -> Response:
         return await self._abort(request)
 
-    async def _composed(self, request: Request, method: str) -> Response:
+    async def _composed(
+        self,
+        request: Request,
+        compose: Callable[[dict[str, Any], str | None], Awaitable[bytes | AsyncIterator[dict[str, Any]]]],
+        render: RenderMethod,
+    ) -> Response:
         self._require_engine()
         check_json_content_type(request.headers.get("content-type"))
-        from serve_app.wire import load_body
-
         body = load_body(await request.body())
         if not isinstance(body, dict):  # the render stage words the 400 exactly as vLLM
-            await getattr(self.render, "chat" if method == "chat" else "completion").remote(body)
-        out = await getattr(self.composed, method)(body, request.headers.get("x-request-id"))
+            await getattr(self.render, render).remote(body)
+        out = await compose(body, request.headers.get("x-request-id"))
         if isinstance(out, (bytes, bytearray)):
             return Response(out, media_type="application/json")
-        from serve_app.compose import sse_stream
-
-        return await _sse_response(sse_stream(out))
+        return await sse_response(sse_stream(out))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        return await self._composed(request, "chat")
+        return await self._composed(request, self._composer().chat, "chat")
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return await self._composed(request, "completion")
+        return await self._composed(request, self._composer().completion, "completion")
+
+    def _composer(self) -> ComposedService:
+        self._require_engine()
+        assert self.composed is not None
+        return self.composed
 
     # --- the composed API by handle (serve_app.client): the same code as the routes above, no HTTP ---
 
     async def composed_chat(self, body: dict[str, Any], request_id: str | None = None) -> bytes:
         """What ``/v1/chat/completions`` answers without streaming: the response JSON bytes."""
-        self._require_engine()
-        return await self.composed.chat({**body, "stream": False}, request_id)
+        out = await self._composer().chat({**body, "stream": False}, request_id)
+        assert isinstance(out, bytes)
+        return out
 
-    async def composed_chat_stream(self, body: dict[str, Any], request_id: str | None = None) -> Any:
+    async def composed_chat_stream(self, body: dict[str, Any], request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
         """What ``/v1/chat/completions`` streams, as chunk dicts (an in-band error dict last if it fails).
         Cancelling the call aborts the engine request."""
-        self._require_engine()
-        chunks = await self.composed.chat({**body, "stream": True}, request_id)
+        chunks = await self._composer().chat({**body, "stream": True}, request_id)
+        assert not isinstance(chunks, bytes)
         try:
             async for chunk in chunks:
                 yield chunk
         finally:
-            await chunks.aclose()
+            await chunks.aclose()  # type: ignore[attr-defined]
 
     @api.get("/metrics")
     async def prometheus(self) -> Response:

@@ -13,8 +13,8 @@ from typing import Any
 
 from ray import serve
 
-from serve_app.config import AppArgs, ResolvedModel
 from serve_app._vllm import call_vllm
+from serve_app.config import AppArgs, ResolvedModel
 from serve_app.wire import dump_json, load_body, validate_model
 
 __all__ = ["Render", "RenderService"]
@@ -41,13 +41,13 @@ class RenderService:
     """Ray-free render core over vLLM's ``ServingRender`` and ``ServingTokenization``."""
 
     def __init__(self, state: Any) -> None:
+        from pydantic import TypeAdapter
         from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
-        from pydantic import TypeAdapter
 
         self.state = state
         self._error_cls = ErrorResponse
@@ -126,7 +126,7 @@ class Render:
             "health_check_period_s": 10,
         }
 
-    async def __init__(self, args: AppArgs, model: ResolvedModel) -> None:
+    async def __init__(self, args: AppArgs, model: ResolvedModel) -> None:  # type: ignore[misc]  # Serve awaits it
         self.service = await RenderService.create(args, model)
 
     async def chat(self, body: bytes, request_id: str | None = None) -> bytes:

@@ -23,7 +23,7 @@ def _version(name: str) -> str:
     return _real_version(name)
 
 
-importlib.metadata.version = _version
+importlib.metadata.version = _version  # type: ignore[assignment]  # the same call, one more name known
 
 if __name__ == "__main__":
     from vllm.entrypoints.cli.main import main

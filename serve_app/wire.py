@@ -90,8 +90,8 @@ def _deeper_than(value: Any, limit: int) -> bool:
 
 def _check_depth(body: bytes | bytearray | str, data: Any) -> Any:
     # Counting brackets (in C) rules out deep nesting for most bodies without walking them.
-    opening = (b"[", b"{") if isinstance(body, (bytes, bytearray)) else ("[", "{")
-    if body.count(opening[0]) + body.count(opening[1]) > MAX_JSON_DEPTH and _deeper_than(data, MAX_JSON_DEPTH):
+    raw = body if isinstance(body, (bytes, bytearray)) else body.encode("utf-8", "surrogatepass")
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deeper_than(data, MAX_JSON_DEPTH):
         raise _too_deep()
     return data
 

@@ -9,6 +9,7 @@ to vLLM's, so a stream can move between vLLM and this implementation mid-way.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from serve_app.derender.tokenizer import DetokTokenizer
@@ -41,7 +42,7 @@ def seed_window(tok: DetokTokenizer, prompt_token_ids: list[int] | None, skip_sp
 
 
 def detokenize_delta(
-    tok: DetokTokenizer, delta_ids: list[int], window: DetokWindow, skip_special_tokens: bool
+    tok: DetokTokenizer, delta_ids: Sequence[int], window: DetokWindow, skip_special_tokens: bool
 ) -> tuple[str, DetokWindow]:
     """Decode ``delta_ids`` after ``window``; returns the new text and the new window (input untouched)."""
     prev = window.prev_tokens

@@ -61,7 +61,7 @@ def _correct(tok: DetokTokenizer, token_id: int, context: list[int]) -> str:
         if full.startswith(prefix):
             return full[len(prefix) :]
         common = 0
-        for a, b in zip(prefix, full):
+        for a, b in zip(prefix, full, strict=False):
             if a != b:
                 break
             common += 1
@@ -83,7 +83,7 @@ def resolve_logprobs(
             token = _correct(tok, entry.token_id, context)
             token_bytes = list(token.encode("utf-8"))
         resolved_top = []
-        for top, (top_str, top_bytes) in zip(entry.top_logprobs, tops):
+        for top, (top_str, top_bytes) in zip(entry.top_logprobs, tops, strict=True):
             if top_str.endswith(_REPLACEMENT):
                 top_str = _correct(tok, top.token_id, context)
                 top_bytes = list(top_str.encode("utf-8"))

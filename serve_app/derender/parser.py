@@ -1,6 +1,6 @@
 """``ParserDerender``: chat derender through vLLM's own tool and reasoning parsers.
 
-A thin Serve shell over :class:`~serve_app.derender.parsing.ParserDerenderService`. Replicas route
+A thin Serve shell over :class:`~serve_app.derender.parser_service.ParserDerenderService`. Replicas route
 by session (``ConsistentHashRouter`` on the ``session_id`` the ingress sets per stream), so a
 stream's chunks meet their live parser; any replica still answers any chunk, by replay.
 """
@@ -13,23 +13,20 @@ from typing import Any
 from ray import serve
 
 from serve_app.config import AppArgs, ResolvedModel
-from serve_app.derender.parsing import ParserDerenderService
-from serve_app.derender.service import DerenderLimits
+from serve_app.derender.checks import DerenderModel
+from serve_app.derender.parser_service import ParserDerenderService
 from serve_app.derender.sessions import SessionCache
-from serve_app.derender.tokenizer import DetokTokenizer
 
 __all__ = ["ParserDerender", "build_parser_service"]
 
 
-async def build_parser_service(args: AppArgs, model: ResolvedModel) -> ParserDerenderService:
+async def build_parser_service(args: AppArgs, model: ResolvedModel, render_state: Any = None) -> ParserDerenderService:
+    """The parser derender core; ``render_state``: vLLM's render objects already built in this process."""
     from serve_app._vllm import build_parser_kit
 
-    kit = await build_parser_kit(args, model)
-    tok = DetokTokenizer(model.tokenizer_dir, model.special_token_ids)
-    limits = DerenderLimits(model.max_model_len, args.max_logprobs, args.limits.max_n_sequences)
+    kit = await build_parser_kit(args, model, render_state)
     c = args.parser_sessions
-    cache = SessionCache(c.max_sessions, c.ttl_s, c.max_tokens)
-    return ParserDerenderService(tok, model.served_model_names, limits, model.eos_token_ids, kit, cache)
+    return ParserDerenderService(DerenderModel.from_config(args, model), kit, SessionCache(c.max_sessions, c.ttl_s, c.max_tokens))
 
 
 @serve.deployment(name="ParserDerender")
@@ -48,7 +45,7 @@ class ParserDerender:
             },
         }
 
-    async def __init__(self, args: AppArgs, model: ResolvedModel) -> None:
+    async def __init__(self, args: AppArgs, model: ResolvedModel) -> None:  # type: ignore[misc]  # Serve awaits it
         self.service = await build_parser_service(args, model)
         self.replica = serve.get_replica_context().replica_id.unique_id
 

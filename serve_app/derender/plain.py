@@ -12,16 +12,14 @@ from typing import Any
 from ray import serve
 
 from serve_app.config import AppArgs, ResolvedModel
-from serve_app.derender.service import DerenderLimits, PlainDerenderService
-from serve_app.derender.tokenizer import DetokTokenizer
+from serve_app.derender.checks import DerenderModel
+from serve_app.derender.plain_service import PlainDerenderService
 
 __all__ = ["PlainDerender", "build_plain_service"]
 
 
 def build_plain_service(args: AppArgs, model: ResolvedModel) -> PlainDerenderService:
-    tok = DetokTokenizer(model.tokenizer_dir, model.special_token_ids)
-    limits = DerenderLimits(model.max_model_len, args.max_logprobs, args.limits.max_n_sequences)
-    return PlainDerenderService(tok, model.served_model_names, limits, model.eos_token_ids)
+    return PlainDerenderService(DerenderModel.from_config(args, model))
 
 
 @serve.deployment(name="PlainDerender")

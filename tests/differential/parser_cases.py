@@ -18,43 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from serve_app.testing.payloads import WEATHER_AND_DOCS_TOOLS as TOOLS
+
 __all__ = ["CALLS", "CONTENTS", "REASONINGS", "TOOLS", "CallSpec", "OutputFormat", "mistral_tools_model", "qwen3_preopen_template"]
 
 HERE = Path(__file__).resolve().parent
 
-TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather for a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string"},
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "search_docs",
-            "description": "Search the documentation.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "query": {"type": "string"},
-                    "limit": {"type": "integer"},
-                    "filters": {"type": "object"},
-                },
-                "required": ["query"],
-            },
-        },
-    },
-]
 
 # (name, arguments): unicode, escapes, nesting, numbers.
 CALLS: list[tuple[str, dict[str, Any]]] = [

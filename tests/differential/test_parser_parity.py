@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,7 +150,8 @@ class Harness:
         self.args = AppArgs(**self.config.app(scratch))
         self.model = self.args.resolve()
         self.oracle = CoupledOracle(self.args, self.model)
-        self.svc = self.oracle.loop.run_until_complete(build_parser_service(self.args, self.model))
+        # Our service reuses the oracle's vLLM render stack (read-only), as a colocated Ingress does.
+        self.svc = self.oracle.loop.run_until_complete(build_parser_service(self.args, self.model, self.oracle.state))
         self.tok = self.oracle.tokenizer
         self.model_name = self.model.name
         self.eos = self.tok.eos_token_id
@@ -169,28 +170,24 @@ class Harness:
 
     def fresh_service(self) -> Any:
         """Another replica: same parser kit and tokenizer, empty session cache."""
-        from serve_app.derender.parsing import ParserDerenderService
+        from serve_app.derender.parser_service import ParserDerenderService
         from serve_app.derender.sessions import SessionCache
 
         s = self.svc
         c = self.args.parser_sessions
-        return ParserDerenderService(
-            s.tok, s.served_model_names, s.limits, s.eos_token_ids, s.kit, SessionCache(c.max_sessions, c.ttl_s, c.max_tokens)
-        )
+        return ParserDerenderService(s.model, s.kit, SessionCache(c.max_sessions, c.ttl_s, c.max_tokens))
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
 
-_HARNESSES: dict[str, Harness] = {}
-
-
+# One harness per configuration at a time (pytest groups the tests by param): each holds vLLM's
+# render stack, so it is freed before the next is built.
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def h(request, tmp_path_factory) -> Harness:
-    name = request.param
-    if name not in _HARNESSES:
-        _HARNESSES[name] = Harness(name, tmp_path_factory.mktemp(name))
-    return _HARNESSES[name]
+def h(request, tmp_path_factory) -> Iterator[Harness]:
+    harness = Harness(request.param, tmp_path_factory.mktemp(request.param))
+    yield harness
+    harness.oracle.close()
 
 
 # --- cases ------------------------------------------------------------------------------------------
@@ -274,7 +271,7 @@ def scenarios(h: Harness) -> dict[str, Case]:
     for kw in h.config.thinking_kwargs:
         tag = "" if kw is None else "+" + ",".join(f"{k}={v}" for k, v in kw.items())
 
-        def add(name: str, req: dict, *outs: dict) -> None:
+        def add(name: str, req: dict, *outs: dict, tag: str = tag) -> None:
             out[name + tag] = Case(req, [make_output(h, req, **o) for o in outs])
 
         r_auto = request_for(h, kwargs=kw)
@@ -288,7 +285,11 @@ def scenarios(h: Harness) -> dict[str, Case]:
         add("tool_choice_none", r_none, dict(reasoning=REASONINGS[0], content=CONTENTS[1], calls=[]))
         add("tool_choice_none_markup", r_none, dict(reasoning=REASONINGS[2], content=CONTENTS[0], calls=CALLS[:1], markup_anyway=True))
         add("tool_choice_auto", request_for(h, tool_choice="auto", kwargs=kw), dict(reasoning=REASONINGS[2], content="", calls=CALLS[:2]))
-        add("tool_choice_required", request_for(h, tool_choice="required", kwargs=kw), dict(reasoning=REASONINGS[0], content="", calls=CALLS[:2]))
+        add(
+            "tool_choice_required",
+            request_for(h, tool_choice="required", kwargs=kw),
+            dict(reasoning=REASONINGS[0], content="", calls=CALLS[:2]),
+        )
         add("tool_choice_named", request_for(h, tool_choice=NAMED, kwargs=kw), dict(reasoning=REASONINGS[2], content="", calls=CALLS[2:3]))
         add(
             "include_reasoning_false",
@@ -455,11 +456,26 @@ def ours_whole(svc: Any, h: Harness, case: Case, prompt_ids: list[int], logprobs
 
 
 def stream_body(
-    h: Harness, req: dict, prompt_ids: list[int], index: int, ids: list[int], finish: str | None, stop_reason: Any, state: Any, logprobs: Any = None
+    h: Harness,
+    req: dict,
+    prompt_ids: list[int],
+    index: int,
+    ids: list[int],
+    finish: str | None,
+    stop_reason: Any,
+    state: Any,
+    logprobs: Any = None,
 ) -> bytes:
     choice = {"index": index, "token_ids": ids, "finish_reason": finish, "stop_reason": stop_reason, "logprobs": logprobs}
     chunk = {"request_id": "r", "choices": [choice]}
-    body = {"stream": True, "model": h.model_name, "generate_chunk": chunk, "stream_state": state, "chat_request": req, "prompt_token_ids": prompt_ids}
+    body = {
+        "stream": True,
+        "model": h.model_name,
+        "generate_chunk": chunk,
+        "stream_state": state,
+        "chat_request": req,
+        "prompt_token_ids": prompt_ids,
+    }
     return json.dumps(body).encode()
 
 
@@ -481,7 +497,9 @@ def ours_stream(
             start = pos.get(i, 0)
             pos[i] = start + len(chunks[k])
             lp = _lp(logprobs, i, start, pos[i])
-            body = stream_body(h, req, prompt_ids, i, chunks[k], o.finish_reason if last else None, o.stop_reason if last else None, states.get(i), lp)
+            body = stream_body(
+                h, req, prompt_ids, i, chunks[k], o.finish_reason if last else None, o.stop_reason if last else None, states.get(i), lp
+            )
             raw, outcome = svc.chat_with_outcome(body)
             resp = json.loads(raw)
             states[i] = resp["stream_state"]
@@ -732,7 +750,11 @@ def random_case(draw, h: Harness) -> tuple[Case, list[list[list[int]]]]:
     return Case(req, outs), chunkings
 
 
-@settings(max_examples=int(__import__("os").environ.get("PARITY_EXAMPLES", "12")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=int(__import__("os").environ.get("PARITY_EXAMPLES", "12")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(data=st.data())
 def test_random_cases_match_coupled_vllm(h: Harness, data):
     case, chunkings = data.draw(random_case(h))
@@ -849,7 +871,13 @@ def test_usage_matches_coupled_vllm(h: Harness, scenario: str):
         "usage": engine_usage,
         "prompt_token_ids": prompt_ids,
     }
-    body = {"model": h.model_name, "generate_response": gen, "chat_request": case.chat_request, "prompt_token_ids": prompt_ids, "prompt_tokens": n_prompt}
+    body = {
+        "model": h.model_name,
+        "generate_response": gen,
+        "chat_request": case.chat_request,
+        "prompt_token_ids": prompt_ids,
+        "prompt_tokens": n_prompt,
+    }
     ours = json.loads(h.svc.chat(json.dumps(body).encode()))
     assert _usage_view(ours["usage"]) == _usage_view(theirs.response["usage"])
 
@@ -862,7 +890,15 @@ def test_usage_matches_coupled_vllm(h: Harness, scenario: str):
         resp = json.loads(h.svc.chat(stream_body(h, req, prompt_ids, 0, c, o.finish_reason if last else None, None, state)))
         state = resp["stream_state"]
     usage_chunk = {"request_id": "r", "choices": [], "usage": engine_usage}
-    body = {"stream": True, "model": h.model_name, "generate_chunk": usage_chunk, "stream_state": state, "chat_request": req, "prompt_token_ids": prompt_ids, "prompt_tokens": n_prompt}
+    body = {
+        "stream": True,
+        "model": h.model_name,
+        "generate_chunk": usage_chunk,
+        "stream_state": state,
+        "chat_request": req,
+        "prompt_token_ids": prompt_ids,
+        "prompt_tokens": n_prompt,
+    }
     ours_final = json.loads(h.svc.chat(json.dumps(body).encode()))["chunk"]
     assert theirs_s.events[-1]["choices"] == [] and ours_final["choices"] == []
     assert _usage_view(ours_final["usage"]) == _usage_view(theirs_s.events[-1]["usage"])

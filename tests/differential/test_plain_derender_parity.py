@@ -23,29 +23,38 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serve_app.config import AppArgs
-from serve_app.derender.service import DerenderLimits, PlainDerenderService
+from serve_app.derender.checks import DerenderLimits, DerenderModel
+from serve_app.derender.plain_service import PlainDerenderService
 from serve_app.derender.tokenizer import DetokTokenizer
 from serve_app.errors import ApiError
 
 MODELS = ("qwen3-tiny", "deepseek-v4", "mistral-sp")
-TEXTS = ["Hello world", "héllo 😀 世界", "🦜𝄞🧬 ꙮ", "日本語のテキストと emoji 🫠", "code(x) {\n\treturn 42;\n}", " leading", "The answer is four."]
+TEXTS = [
+    "Hello world",
+    "héllo 😀 世界",
+    "🦜𝄞🧬 ꙮ",
+    "日本語のテキストと emoji 🫠",
+    "code(x) {\n\treturn 42;\n}",
+    " leading",
+    "The answer is four.",
+]
 
 
 class Pair:
     """Our service and vLLM's, for one model."""
 
     def __init__(self, name: str) -> None:
-        from serve_app._vllm import build_render_state
         from transformers import AutoTokenizer
+
+        from serve_app._vllm import build_render_state
 
         args = AppArgs(model=name)
         model = args.resolve()
         self.loop = asyncio.new_event_loop()
         self.vllm = self.loop.run_until_complete(build_render_state(args, model)).serving_derender
         tok = DetokTokenizer(model.tokenizer_dir, model.special_token_ids)
-        self.ours = PlainDerenderService(
-            tok, model.served_model_names, DerenderLimits(model.max_model_len, 20, 16384), model.eos_token_ids
-        )
+        limits = DerenderLimits(model.max_model_len, 20, 16384)
+        self.ours = PlainDerenderService(DerenderModel(tok, model.served_model_names, limits, model.eos_token_ids))
         self.vocab = tok.vocab_size
         hf = AutoTokenizer.from_pretrained(model.tokenizer_dir)
         self.interesting = sorted(
@@ -53,8 +62,8 @@ class Pair:
         )
 
     def vllm_call(self, kind: str, body: dict) -> tuple[int, dict]:
-        from vllm.entrypoints.scale_out.token_in_token_out import protocol as P
         from pydantic import TypeAdapter, ValidationError
+        from vllm.entrypoints.scale_out.token_in_token_out import protocol as P
 
         union = P.DerenderChatRequestUnion if kind == "chat" else P.DerenderCompletionRequestUnion
         try:
@@ -164,10 +173,19 @@ def test_chat_and_completions_match_vllm_streaming_and_not(pair: Pair, data):
     end = {"finish_reason": finish_reason, "stop_reason": stop_reason}
     gen = {"request_id": "r", "choices": [{"index": 0, "token_ids": ids, "logprobs": logprobs, **end}]}
 
-    whole = _assert_same(pair, "chat", {"generate_response": gen, "prompt_token_ids": prompt, "chat_request": chat_request, "prompt_tokens": 3})
-    _assert_same(pair, "completion", {"generate_responses": [gen], "prompt_token_ids": [prompt], "completion_request": {"prompt": "p", "skip_special_tokens": skip}})
+    whole = _assert_same(
+        pair, "chat", {"generate_response": gen, "prompt_token_ids": prompt, "chat_request": chat_request, "prompt_tokens": 3}
+    )
+    _assert_same(
+        pair,
+        "completion",
+        {"generate_responses": [gen], "prompt_token_ids": [prompt], "completion_request": {"prompt": "p", "skip_special_tokens": skip}},
+    )
 
-    for kind, request_key, req in (("chat", "chat_request", chat_request), ("completion", "completion_request", {"prompt": "p", "skip_special_tokens": skip})):
+    for kind, request_key, req in (
+        ("chat", "chat_request", chat_request),
+        ("completion", "completion_request", {"prompt": "p", "skip_special_tokens": skip}),
+    ):
         state_ours = state_vllm = None
         text, pos = [], 0
         chunks = _chunks(ids, sizes)
@@ -175,8 +193,18 @@ def test_chat_and_completions_match_vllm_streaming_and_not(pair: Pair, data):
             lp = {"content": logprobs["content"][pos : pos + len(chunk_ids)]} if logprobs else None
             pos += len(chunk_ids)
             last = n == len(chunks) - 1
-            chunk = {"request_id": "r", "choices": [{"index": 0, "token_ids": chunk_ids, "logprobs": lp, "finish_reason": finish_reason if last else None,
-                                                     "stop_reason": stop_reason if last else None}]}
+            chunk = {
+                "request_id": "r",
+                "choices": [
+                    {
+                        "index": 0,
+                        "token_ids": chunk_ids,
+                        "logprobs": lp,
+                        "finish_reason": finish_reason if last else None,
+                        "stop_reason": stop_reason if last else None,
+                    }
+                ],
+            }
             body = {"stream": True, "generate_chunk": chunk, "prompt_token_ids": prompt, request_key: req}
             status_o, ours = pair.our_call(kind, {**body, "stream_state": state_ours})
             status_v, theirs = pair.vllm_call(kind, {**body, "stream_state": state_vllm})
@@ -185,7 +213,11 @@ def test_chat_and_completions_match_vllm_streaming_and_not(pair: Pair, data):
             state_ours, state_vllm = ours["stream_state"], theirs["stream_state"]
             (choice,) = ours["chunk"]["choices"]
             text.append((choice["delta"]["content"] or "") if kind == "chat" else choice["text"])
-        usage_chunk = {"request_id": "r", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": len(ids), "total_tokens": 1 + len(ids)}}
+        usage_chunk = {
+            "request_id": "r",
+            "choices": [],
+            "usage": {"prompt_tokens": 1, "completion_tokens": len(ids), "total_tokens": 1 + len(ids)},
+        }
         body = {"stream": True, "generate_chunk": usage_chunk, "prompt_tokens": 7, request_key: req}
         assert _strip_created(pair.our_call(kind, {**body, "stream_state": state_ours})[1]) == _strip_created(
             pair.vllm_call(kind, {**body, "stream_state": state_vllm})[1]

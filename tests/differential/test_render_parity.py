@@ -56,7 +56,7 @@ def expected_from_vllm(case: Case, ref: Any, ours: Any) -> Any:
         return expected
     ref_items, our_items = _generate_requests(expected), _generate_requests(ours)
     assert len(our_items) == len(ref_items), f"{len(our_items)} GenerateRequests, vLLM rendered {len(ref_items)}"
-    for ref_item, our_item in zip(ref_items, our_items):
+    for ref_item, our_item in zip(ref_items, our_items, strict=True):
         params = ref_item["sampling_params"]
         if "max_tokens" not in params:
             # vLLM 0.32 omits max_tokens exactly when it equals SamplingParams' default, 16.
@@ -100,7 +100,7 @@ def differences(ours: Any, ref: Any, path: str = "$") -> list[str]:
                 out += differences(ours[key], ref[key], f"{path}.{key}")
         return out
     if isinstance(ours, list) and isinstance(ref, list) and len(ours) == len(ref):
-        return [line for i, (o, r) in enumerate(zip(ours, ref)) for line in differences(o, r, f"{path}[{i}]")]
+        return [line for i, (o, r) in enumerate(zip(ours, ref, strict=True)) for line in differences(o, r, f"{path}[{i}]")]
     return [] if ours == ref else [f"{path}: ours={ours!r:.300} vLLM={ref!r:.300}"]
 
 

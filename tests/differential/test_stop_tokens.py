@@ -19,16 +19,15 @@ per chunk.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from serve_app.config import AppArgs
-from serve_app.errors import ApiError
 from tests.differential.coupled_oracle import CoupledOracle, ScriptedChoice
 
 FAMILIES = ("qwen3-tiny", "deepseek-v4", "mistral-sp")
@@ -43,7 +42,6 @@ class Side:
     """One model (and parser flag set): our services, vLLM's coupled serving and vLLM's derender."""
 
     def __init__(self, name: str, **flags: Any) -> None:
-        from serve_app._vllm import build_render_state
         from serve_app.derender.parser import build_parser_service
         from serve_app.derender.plain import build_plain_service
 
@@ -52,9 +50,12 @@ class Side:
         self.coupled = CoupledOracle(self.args, self.model)
         self.tok = self.coupled.tokenizer
         loop = self.coupled.loop
-        self.vllm_derender = loop.run_until_complete(build_render_state(self.args, self.model)).serving_derender
+        # vLLM's derender and our parser service both over the oracle's render stack (read-only).
+        self.vllm_derender = self.coupled.state.serving_derender
         self.plain = build_plain_service(self.args, self.model)
-        self.chat_service = loop.run_until_complete(build_parser_service(self.args, self.model)) if flags else self.plain
+        self.chat_service = self.plain
+        if flags:
+            self.chat_service = loop.run_until_complete(build_parser_service(self.args, self.model, self.coupled.state))
         self.eos = self.model.eos_token_id
 
     def encode(self, text: str) -> list[int]:
@@ -67,19 +68,13 @@ class Side:
         return self.encode(answer.removeprefix(" ") if prepends else answer)
 
 
-_SIDES: dict[str, Side] = {}
-
-
-def side(key: str) -> Side:
-    if key not in _SIDES:
-        name, _, parsers = key.partition("+")
-        _SIDES[key] = Side(name, **(PARSER_FLAGS if parsers else {}))
-    return _SIDES[key]
-
-
+# One side per model at a time (pytest groups the tests by param): each holds vLLM's render stack.
 @pytest.fixture(scope="module", params=[*FAMILIES, "qwen3-tiny+parsers"])
-def s(request, model_dirs) -> Side:
-    return side(request.param)
+def s(request, model_dirs) -> Iterator[Side]:
+    name, _, parsers = request.param.partition("+")
+    side = Side(name, **(PARSER_FLAGS if parsers else {}))
+    yield side
+    side.coupled.close()
 
 
 @dataclass
@@ -176,7 +171,9 @@ def coupled_chat(s: Side, req: dict, f: Finish, chunking: str | None) -> tuple[l
 
 def coupled_completion(s: Side, req: dict, f: Finish, chunking: str | None) -> tuple[list[int], str]:
     steps = chunks(f.ids, chunking) if chunking else None
-    result = s.coupled.run_completion({**req, "stream": chunking is not None}, [ScriptedChoice(f.ids, f.finish_reason, f.stop_reason, steps)])
+    result = s.coupled.run_completion(
+        {**req, "stream": chunking is not None}, [ScriptedChoice(f.ids, f.finish_reason, f.stop_reason, steps)]
+    )
     if chunking is None:
         return result.prompt_token_ids, result.response["choices"][0]["text"]
     return result.prompt_token_ids, "".join(e["choices"][0]["text"] for e in result.events if e["choices"])

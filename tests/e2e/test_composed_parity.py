@@ -15,31 +15,10 @@ from functools import cache
 import openai
 import pytest
 
+from serve_app.testing.payloads import WEATHER_AND_TIME_TOOLS as TOOLS
 from serve_app.testing.scripted import SCRIPT_KEY
 
 MESSAGES = [{"role": "user", "content": "What's the weather in Paris? Answer briefly."}]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "get_time",
-            "description": "Local time in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-        },
-    },
-]
 
 SCRIPTS = {
     "reasoning_then_answer": "<think>\nThe user asks about the weather in Paris. I cannot look it up, so I answer "
@@ -198,7 +177,9 @@ def test_streaming_concatenates_to_non_streaming(clients):
     whole = ours.chat.completions.create(**kwargs).choices[0]
     streamed = _stream_view(ours.chat.completions.create(**kwargs, stream=True))["choices"][0]
     assert streamed["finish_reason"] == whole.finish_reason == "tool_calls"
-    assert [{"type": "function", **t} for t in ([{k: v for k, v in s.items() if k != "type"} for s in streamed["tool_calls"].values()])] == _tool_calls(whole.message.tool_calls)
+    assert [
+        {"type": "function", **t} for t in ([{k: v for k, v in s.items() if k != "type"} for s in streamed["tool_calls"].values()])
+    ] == _tool_calls(whole.message.tool_calls)
     assert [json.loads(c.function.arguments) for c in whole.message.tool_calls] == [{"city": "Paris"}, {"city": "Paris"}]
     assert streamed["reasoning"] == whole.message.reasoning == "\nTwo lookups.\n"
 

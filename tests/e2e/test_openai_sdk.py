@@ -8,8 +8,8 @@ import json
 import openai
 import pytest
 
-from tests.e2e.test_composed_parity import TOOLS, script_ids
 from serve_app.testing.scripted import SCRIPT_KEY
+from tests.e2e.test_composed_parity import TOOLS, script_ids
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,8 @@
-"""The README's run command: ``serve run serve_config.yaml`` comes up offline and answers."""
+"""The README's run command: ``serve run serve_config.yaml`` comes up offline and answers.
+
+``serve run`` starts its own Ray here, so the cluster declares this machine's real CPU count: the
+shipped resource plan must bring every replica to RUNNING on it (``/ready``).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _makefile_serve_env() -> dict[str, str]:
-    line = next(l for l in (ROOT / "Makefile").read_text().splitlines() if l.startswith("SERVE_ENV :="))
+    line = next(ln for ln in (ROOT / "Makefile").read_text().splitlines() if ln.startswith("SERVE_ENV :="))
     return dict(kv.split("=", 1) for kv in line.split(":=", 1)[1].split())
 
 
@@ -39,6 +43,11 @@ def test_serve_run_serve_config(tmp_path: Path):
                 except httpx.TransportError:
                     pass
                 assert time.monotonic() < deadline, log_path.read_text()[-4000:]
+                time.sleep(1)
+            while (ready := httpx.get("http://127.0.0.1:8000/ready", timeout=10)).status_code != 200:
+                # 503 + Retry-After, naming the deployments still waiting, until every replica runs.
+                assert ready.status_code == 503 and ready.headers["retry-after"], ready.text
+                assert time.monotonic() < deadline, ready.text + log_path.read_text()[-4000:]
                 time.sleep(1)
             models = httpx.get("http://127.0.0.1:8000/v1/models", timeout=10).json()
             assert [m["id"] for m in models["data"]] == ["qwen3-tiny"]

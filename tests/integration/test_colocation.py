@@ -21,7 +21,8 @@ def test_colocated_stages_match_deployed_ones(app_url, colocated_app_url):
             a = c.post(app_url + path, json=body, headers={"X-Request-Id": "same"})
             b = c.post(colocated_app_url + path, json=body, headers={"X-Request-Id": "same"})
             assert (a.status_code, a.json()) == (b.status_code, b.json())
-        gens = [{"request_id": "g", "choices": [{"index": 0, "token_ids": [9707, 1879, 11, 151645]}]}]
+        # "length": the special token is text here (a stop on it would leave it out), shown when not skipped
+        gens = [{"request_id": "g", "choices": [{"index": 0, "token_ids": [9707, 1879, 11, 151645], "finish_reason": "length"}]}]
         body = {"generate_responses": gens, "completion_request": {"prompt": "x", "skip_special_tokens": False}}
         a = c.post(app_url + "/v1/completions/derender", json=body).json()
         b = c.post(colocated_app_url + "/v1/completions/derender", json=body).json()

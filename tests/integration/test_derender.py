@@ -51,7 +51,10 @@ class TestPlainChat:
         ids = mistral.encode("Parrots 🦜 and 日本語", add_special_tokens=False)
         state, text, roles = None, [], []
         for n, tid in enumerate(ids):
-            chunk = {"request_id": "g", "choices": [{"index": 0, "token_ids": [tid], "finish_reason": "stop" if n == len(ids) - 1 else None}]}
+            chunk = {
+                "request_id": "g",
+                "choices": [{"index": 0, "token_ids": [tid], "finish_reason": "stop" if n == len(ids) - 1 else None}],
+            }
             out = plain.post(
                 "/v1/chat/completions/derender",
                 json={"stream": True, "generate_chunk": chunk, "stream_state": state, "prompt_token_ids": [1, 733]},
@@ -134,7 +137,12 @@ class TestParserChatDerender:
 
     def test_reasoning_and_tool_call_are_split(self, app_url, model_dirs):
         tok = AutoTokenizer.from_pretrained(model_dirs["qwen3-tiny"])
-        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+        tools = [
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+            }
+        ]
         chat_request = {"messages": MESSAGES, "tools": tools}
         with httpx.Client(base_url=app_url, timeout=60) as c:
             rendered = c.post("/v1/chat/completions/render", json=chat_request).json()

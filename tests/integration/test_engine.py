@@ -222,6 +222,7 @@ def test_engine_restart_keeps_cpu_tier_up(engine_app_url):
     actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if "Engine" in a["name"] and "engine_app" in a["name"]]
     assert len(actors) == 1, actors
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    assert httpx.get(engine_app_url + "/ready", timeout=30).json() == {"status": "ready"}
     with httpx.stream("POST", engine_app_url + "/v1/chat/completions", json=body, timeout=60) as resp:
         events = (line[6:] for line in resp.iter_lines() if line.startswith("data: "))
         assert json.loads(next(events))["object"] == "chat.completion.chunk"
@@ -235,8 +236,11 @@ def test_engine_restart_keeps_cpu_tier_up(engine_app_url):
     for _ in range(5):
         render = httpx.post(engine_app_url + "/v1/chat/completions/render", json=chat, timeout=30)
         assert render.status_code == 200
-        assert httpx.get(engine_app_url + "/health", timeout=30).status_code == 200
+        assert httpx.get(engine_app_url + "/health", timeout=30).status_code == 200  # liveness: up
         time.sleep(0.5)
+    not_ready = httpx.get(engine_app_url + "/ready", timeout=30)  # readiness: the engine is down
+    assert not_ready.status_code == 503 and not_ready.headers["retry-after"]
+    assert "Engine" in not_ready.json()["error"]["message"]
     deadline = time.monotonic() + 180
     body = {"token_ids": PROMPT, "sampling_params": {"temperature": 0, "max_tokens": 3}}
     while True:
@@ -248,3 +252,7 @@ def test_engine_restart_keeps_cpu_tier_up(engine_app_url):
         time.sleep(2)
     assert len(resp.json()["choices"][0]["token_ids"]) == 3
     assert serve.status().applications["engine_app"].status == "RUNNING"
+    deadline = time.monotonic() + 60
+    while httpx.get(engine_app_url + "/ready", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(1)

@@ -10,7 +10,10 @@ import pytest
 
 from serve_app.testing.scripted import SCRIPT_KEY
 
-TOOL_SCRIPT = '<think>\nweather lookup\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+TOOL_SCRIPT = (
+    '<think>\nweather lookup\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    "<|im_end|>"
+)
 
 
 @pytest.fixture(scope="module")

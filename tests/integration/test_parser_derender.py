@@ -13,17 +13,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from serve_app.testing.payloads import MINIMAL_WEATHER_TOOLS as TOOLS
 from tests.conftest import deploy_app
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
 CHAT_REQUEST = {"messages": [{"role": "user", "content": "Weather in Paris and Tokyo?"}], "tools": TOOLS}
 OUTPUT = (
     "<think>\nThe user wants the weather in two cities, so I call the tool twice.\n</think>\n\n"

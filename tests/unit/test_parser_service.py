@@ -13,13 +13,8 @@ from transformers import AutoTokenizer
 from serve_app.config import AppArgs
 from serve_app.derender.parser import build_parser_service
 from serve_app.errors import ApiError
+from serve_app.testing.payloads import MINIMAL_WEATHER_TOOLS as TOOLS
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
-    }
-]
 CHAT_REQUEST = {"messages": [{"role": "user", "content": "Weather in Paris and Rome?"}], "tools": TOOLS}
 OUTPUT = (
     "<think>\nTwo cities, two calls.\n</think>\n\nOn it.\n"
@@ -121,7 +116,7 @@ class TestFixedGaps:
             "content": [{"token_id": t, "logprob": -1.0, "top_logprobs": [{"token_id": t, "logprob": -1.0}]} for t in output[:2]]
         }
         got = json.loads(service.chat(body))["chunk"]["choices"][0]["logprobs"]["content"]
-        assert [e["token"] for e in got] == [service.tok.decode([t]) for t in output[:2]]
+        assert [e["token"] for e in got] == [service.model.tok.decode([t]) for t in output[:2]]
         entry = body["generate_chunk"]["choices"][0]["logprobs"]["content"][0]
         entry["top_logprobs"] = [{"token_id": t, "logprob": -1.0} for t in range(21)]
         with pytest.raises(ApiError, match="exceeds max_logprobs"):

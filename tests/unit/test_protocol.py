@@ -43,6 +43,7 @@ def _fields(cls: type[BaseModel]) -> list[tuple[str, object, bool]]:
 @pytest.mark.parametrize("name", NAMES)
 def test_fields_and_defaults_match_vllm(name: str):
     import serve_app.vllm_cli  # noqa: F401
+    # isort: split
     from vllm.entrypoints.scale_out.token_in_token_out import protocol as theirs
 
     assert _fields(getattr(ours, name)) == _fields(getattr(theirs, name))
@@ -55,6 +56,7 @@ def _comparable(exc) -> list[dict]:
 
 def test_state_bounds_match_vllm():
     import serve_app.vllm_cli  # noqa: F401
+    # isort: split
     from pydantic import ValidationError
     from vllm.entrypoints.scale_out.token_in_token_out import protocol as theirs
 
@@ -86,6 +88,7 @@ def test_echoed_models_match_vllm(name: str):
 def test_negative_token_ids_keep_vllms_errors():
     """The u32 bound on ids leaves vLLM's own errors for negative ids as they were."""
     import serve_app.vllm_cli  # noqa: F401
+    # isort: split
     from pydantic import ValidationError
     from vllm.entrypoints.scale_out.token_in_token_out import protocol as theirs
 

