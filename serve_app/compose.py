@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from serve_app.derender.stop import engine_stop_reason
 from serve_app.errors import envelope
 from serve_app.streaming import cancel_on_close, peek
+from serve_app.timeouts import within
 from serve_app.wire import stream_flag
 
 __all__ = [
@@ -127,7 +128,8 @@ async def build_composed(args: Any, model: Any, render: Any, plain_derender: Any
         generate=lambda body: engine.generate.remote(body),
         generate_stream=lambda body: cancel_on_close(generate_stream.remote(body)),
     )
-    return ComposedService(stages, chat, plain, model.eos_token_id)
+    limits = args.limits
+    return ComposedService(stages, chat, plain, model.eos_token_id, limits.stage_timeout_s, limits.engine_first_chunk_timeout_s)
 
 
 class ComposedService:
@@ -139,15 +141,25 @@ class ComposedService:
         completion_derender: the completions derender service.
         eos_token_id: the tokenizer's EOS id, to report ``stop_reason`` as coupled ``vllm serve``
             does (:func:`serve_app.derender.stop.engine_stop_reason`).
+        render_timeout_s: most seconds render may take (504 after; ``None``: no deadline).
+        first_chunk_timeout_s: most seconds a streamed generation may take to its first chunk.
     """
 
     def __init__(
-        self, stages: Stages, chat_derender: ChatDerender, completion_derender: CompletionDerender, eos_token_id: int | None
+        self,
+        stages: Stages,
+        chat_derender: ChatDerender,
+        completion_derender: CompletionDerender,
+        eos_token_id: int | None,
+        render_timeout_s: float | None = None,
+        first_chunk_timeout_s: float | None = None,
     ) -> None:
         self.stages = stages
         self.chat_derender = chat_derender
         self.completion_derender = completion_derender
         self.eos_token_id = eos_token_id
+        self.render_timeout_s = render_timeout_s
+        self.first_chunk_timeout_s = first_chunk_timeout_s
 
     def _fix_stop_reason(self, choices: list[dict[str, Any]], gen_request: dict[str, Any]) -> None:
         stop_ids = (gen_request.get("sampling_params") or {}).get("stop_token_ids")
@@ -165,7 +177,7 @@ class ComposedService:
             ApiError: render or engine rejected the request (before any chunk).
         """
         stream = stream_flag(body)
-        gen = _no_detokenize(json.loads(await self.stages.render_chat(body, request_id)))
+        gen = _no_detokenize(json.loads(await within(self.stages.render_chat(body, request_id), self.render_timeout_s, "Render")))
         prompt_ids = gen["token_ids"]
         if not stream:
             response = json.loads(await self.stages.generate(gen))
@@ -179,7 +191,7 @@ class ComposedService:
                     "prompt_tokens": len(prompt_ids),
                 }
             )
-        _, chunks = await peek(self.stages.generate_stream(gen))
+        _, chunks = await within(peek(self.stages.generate_stream(gen)), self.first_chunk_timeout_s, "Engine")
         return self._chat_chunks(body, gen, chunks)
 
     async def _chat_chunks(
@@ -206,7 +218,8 @@ class ComposedService:
     async def completion(self, body: dict[str, Any], request_id: str | None = None) -> bytes | AsyncIterator[dict[str, Any]]:
         """``/v1/completions``: every prompt rendered, generated concurrently, derendered together."""
         stream = stream_flag(body)
-        gens = [_no_detokenize(g) for g in json.loads(await self.stages.render_completion(body, request_id))]
+        rendered = await within(self.stages.render_completion(body, request_id), self.render_timeout_s, "Render")
+        gens = [_no_detokenize(g) for g in json.loads(rendered)]
         if not stream:
             responses = await _gather_or_cancel([self.stages.generate(g) for g in gens])
             parsed = []
@@ -226,7 +239,8 @@ class ComposedService:
         usage_wanted = bool((body.get("stream_options") or {}).get("include_usage"))
         if len(gens) > 1:  # one usage chunk for all prompts, summed here (each engine would send its own)
             gens = [{**g, "stream_options": None} for g in gens]
-        _, merged = await peek(merge([self.stages.generate_stream(g) for g in gens]))
+        streams = [self.stages.generate_stream(g) for g in gens]
+        _, merged = await within(peek(merge(streams)), self.first_chunk_timeout_s, "Engine")
         return self._completion_chunks(body, gens, merged, usage_wanted and len(gens) > 1)
 
     async def _completion_chunks(

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 __all__ = ["AppArgs", "DeploymentOptions", "EngineArgs", "ParserSessionArgs", "RequestLimits", "ResolvedModel"]
 
@@ -34,6 +34,20 @@ class RequestLimits(_Strict):
     max_completion_prompts: int = Field(
         1024, gt=0, description="vLLM's VLLM_MAX_COMPLETION_PROMPTS: most prompts in one completions request."
     )
+    stage_timeout_s: float | None = Field(
+        60.0,
+        gt=0,
+        description=(
+            "Most seconds the Ingress waits for a render or derender stage (and a stage the composed API "
+            "calls) before answering 504; null: no deadline."
+        ),
+    )
+    engine_first_chunk_timeout_s: float | None = Field(
+        300.0,
+        gt=0,
+        description="Most seconds a streamed generation may take to its first chunk (queueing included) before a 504.",
+    )
+    max_abort_ids: int = Field(1024, gt=0, description="Most request ids one abort request may name (each is broadcast to every engine).")
 
 
 class ParserSessionArgs(_Strict):
@@ -133,13 +147,31 @@ class AppArgs(_Strict):
     parser_sessions: ParserSessionArgs = Field(default_factory=ParserSessionArgs)
     engine: EngineArgs = Field(default_factory=EngineArgs)
     deployments: Deployments = Field(default_factory=Deployments)
+    api_key: list[SecretStr] | None = Field(
+        None,
+        description=(
+            "vLLM --api-key: one or more keys; every route that does work then needs "
+            "`Authorization: Bearer <key>` (serve_app/auth.py). Unset: the VLLM_API_KEY environment "
+            "variable of the Ingress replicas, if set; else no keys."
+        ),
+    )
 
     @model_validator(mode="before")
     @classmethod
-    def _served_model_name_as_list(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("served_model_name"), str):
-            data = {**data, "served_model_name": [data["served_model_name"]]}
+    def _names_as_lists(cls, data: Any) -> Any:
+        for field in ("served_model_name", "api_key"):  # one string or a list, as vLLM's flags
+            if isinstance(data, dict) and isinstance(data.get(field), str):
+                data = {**data, field: [data[field]]}
         return data
+
+    def api_keys(self) -> list[str]:
+        """The keys in force in this process: the configured ones, else ``VLLM_API_KEY``."""
+        import os
+
+        if self.api_key:
+            return [k.get_secret_value() for k in self.api_key]
+        env = os.environ.get("VLLM_API_KEY")
+        return [env] if env else []
 
     @model_validator(mode="after")
     def _auto_tool_choice_needs_parser(self) -> AppArgs:

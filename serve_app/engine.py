@@ -162,6 +162,8 @@ class Engine:
         return {
             # Above max_num_seqs so vLLM's scheduler, not Serve, queues: it batches what it holds.
             "max_ongoing_requests": max(64, 4 * args.engine.max_num_seqs),
+            # Bounded per caller: past it the Ingress answers 503 + Retry-After instead of queueing forever.
+            "max_queued_requests": max(64, 4 * args.engine.max_num_seqs),
             "ray_actor_options": {"num_cpus": 1},
             "health_check_period_s": 10,
             "health_check_timeout_s": 30,

@@ -76,6 +76,11 @@ class PayloadTooLargeError(ApiError):
     err_type = "PayloadTooLargeError"
 
 
+class GatewayTimeoutError(ApiError):
+    status_code = 504
+    err_type = "GatewayTimeoutError"
+
+
 class ServiceUnavailableError(ApiError):
     status_code = 503
     err_type = "ServiceUnavailableError"
@@ -135,11 +140,18 @@ def envelope(exc: BaseException) -> tuple[int, dict[str, Any]]:
         return exc.status_code, error_body(exc.message, exc.err_type, exc.status_code, exc.param)
     if _is_backpressure(exc):
         return 503, error_body("Server is overloaded, retry later.", "ServiceUnavailableError", 503)
+    if _is_replica_gone(exc):
+        return 503, error_body("A stage's replica went away; retry later.", "ServiceUnavailableError", 503)
     return 500, error_body(f"{type(exc).__name__}: {exc}", "InternalServerError", 500)
 
 
 def _is_backpressure(exc: BaseException) -> bool:
     return type(exc).__name__ in {"BackPressureError", "DeploymentUnavailableError"}
+
+
+def _is_replica_gone(exc: BaseException) -> bool:
+    # Ray's errors for a call whose replica died or restarted under it: the retry lands on a live one.
+    return type(exc).__name__ in {"ActorDiedError", "ActorUnavailableError", "RayActorError"}
 
 
 # --- schema validation errors, formatted as vLLM's RequestValidationError handler does -------------

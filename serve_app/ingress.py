@@ -22,12 +22,15 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serve_app.auth import ApiKeyMiddleware
 from serve_app.compose import ComposedService, InProcess, build_composed
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import ApiError, ServiceUnavailableError, envelope, error_body, validation_error
+from serve_app.health import StageHealth
 from serve_app.limits import BodySizeLimitMiddleware
 from serve_app.metrics import CONTENT_TYPE_LATEST, HttpMetrics, MetricsMiddleware
 from serve_app.streaming import cancel_on_close, sse_response, sse_stream
+from serve_app.timeouts import within
 from serve_app.wire import check_json_content_type, load_body, stream_flag
 
 __all__ = ["Ingress", "api"]
@@ -35,7 +38,6 @@ __all__ = ["Ingress", "api"]
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 2  # what a 503 asks the client to wait, in seconds
-_READINESS_TTL_S = 1.0  # /ready asks the Serve controller at most this often per replica
 
 RenderMethod = Literal["chat", "completion", "messages", "responses", "tokenize", "detokenize"]
 """The ``Render`` methods the render routes forward to."""
@@ -136,12 +138,14 @@ def stream_id(body: bytes) -> str | None:
     return value if 0 < len(value) <= _MAX_STREAM_ID else None
 
 
-def _not_ready_deployments(app_name: str) -> list[str]:
-    """The deployments of ``app_name`` that are not HEALTHY, as ``name (STATUS)``; blocking (a controller call)."""
-    app = serve.status().applications.get(app_name)
-    if app is None:
-        return [f"{app_name} (not deployed)"]
-    return sorted(f"{name} ({d.status})" for name, d in app.deployments.items() if d.status != "HEALTHY")
+def _check_abort_ids(request_ids: Any, max_ids: int) -> None:
+    """Bound what one abort broadcasts to every engine replica: a list of short id strings."""
+    from serve_app.errors import BadRequestError
+
+    if not isinstance(request_ids, list) or not all(isinstance(i, str) and 0 < len(i) <= 256 for i in request_ids):
+        raise BadRequestError("request_ids must be a list of request id strings (1 to 256 characters)", param="request_ids")
+    if len(request_ids) > max_ids:
+        raise BadRequestError(f"request_ids count ({len(request_ids)}) exceeds server maximum ({max_ids})", param="request_ids")
 
 
 @serve.deployment(name="Ingress")
@@ -154,6 +158,7 @@ class Ingress:
         return {
             # Streams hold a slot for their whole life; the ingress only awaits handles.
             "max_ongoing_requests": 256,
+            "max_queued_requests": 512,  # per proxy: past it the front door answers 503
             "ray_actor_options": {"num_cpus": 0.5},
         }
 
@@ -185,8 +190,7 @@ class Ingress:
         # as in vLLM; completions derender never parses.
         self.chat_derender: Any = parser_derender if args.has_parser else plain_derender
         self._created = int(time.time())
-        self._app_name = serve.get_replica_context().app_name
-        self._readiness: tuple[float, list[str]] = (float("-inf"), [])
+        self.health = StageHealth(serve.get_replica_context().app_name)
         self.engine = engine
         self._engine_sse: Any = engine.options(stream=True, method_name="generate_sse") if engine is not None else None
         self._background: set[asyncio.Task] = set()
@@ -194,7 +198,9 @@ class Ingress:
         # Added here, not at import, because the limit is configuration.
         api.user_middleware.clear()
         api.add_middleware(BodySizeLimitMiddleware, max_bytes=args.limits.max_body_bytes)
-        api.add_middleware(MetricsMiddleware, metrics=metrics)
+        if keys := args.api_keys():
+            api.add_middleware(ApiKeyMiddleware, keys=keys)
+        api.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts 401s and 413s too
         api.middleware_stack = None  # rebuilt on the first request with the middleware above
 
     @api.get("/health")
@@ -207,11 +213,8 @@ class Ingress:
         """Readiness: 200 once every deployment of this application is HEALTHY (all its replicas
         RUNNING, the engine loaded); else 503 in the envelope, naming the stages that are not, with
         ``Retry-After``. The controller's answer is cached for a second: cheap under probes."""
-        now = time.monotonic()
-        if now - self._readiness[0] > _READINESS_TTL_S:
-            self._readiness = (now, await asyncio.to_thread(_not_ready_deployments, self._app_name))
-        waiting = self._readiness[1]
-        if waiting:
+        await self.health.refresh()
+        if waiting := self.health.not_ready():
             status, body = envelope(ServiceUnavailableError(f"not ready: {', '.join(waiting)}"))
             return JSONResponse(body, status_code=status, headers={"Retry-After": str(RETRY_AFTER_S)})
         return JSONResponse({"status": "ready"})
@@ -255,13 +258,23 @@ class Ingress:
             ],
         }
 
-    @staticmethod
-    async def _forward(request: Request, method: Any, *extra: Any) -> Response:
+    async def _forward(self, request: Request, method: Any, *extra: Any) -> Response:
         """POST body -> a stage's method. The body travels as bytes and comes back as the JSON bytes
-        to send: one parse and one dump, both in the stage."""
+        to send: one parse and one dump, both in the stage. A stage that does not answer in
+        ``limits.stage_timeout_s`` is a 504."""
         check_json_content_type(request.headers.get("content-type"))
-        out = await method.remote(await request.body(), *extra)
+        self._fail_fast(method)
+        out = await within(method.remote(await request.body(), *extra), self.args.limits.stage_timeout_s, "the stage")
         return Response(out, media_type="application/json")
+
+    def _fail_fast(self, stage: Any) -> None:
+        """A 503 now for a stage deployment with no RUNNING replica (colocated stages always run)."""
+        name = getattr(stage, "deployment_name", None)
+        if name is None:
+            return
+        self.health.refresh_soon()
+        if self.health.down(name):
+            raise ServiceUnavailableError(f"{name} has no running replica; retry later.")
 
     async def _to_render(self, request: Request, method: RenderMethod) -> Response:
         return await self._forward(request, getattr(self.render, method), request.headers.get("x-request-id"))
@@ -275,8 +288,9 @@ class Ingress:
         # A stream's chunks go to the replica holding its live parser: Serve's consistent-hash router
         # keys on session_id, which the proxy only sets on the first hop, so it is re-applied here.
         session_id = request.headers.get("x-session-id") or stream_id(body)
+        self._fail_fast(self.chat_derender)
         handle = self.chat_derender.options(session_id=session_id) if session_id else self.chat_derender
-        out, outcome, _ = await handle.chat_traced.remote(body)
+        out, outcome, _ = await within(handle.chat_traced.remote(body), self.args.limits.stage_timeout_s, "ParserDerender")
         metrics.parser_sessions.labels(outcome).inc()
         if outcome == "miss":
             metrics.replayed_chunks.inc()
@@ -326,6 +340,7 @@ class Ingress:
         raw = await request.body()
         data = load_body(raw)
         headers = forwarded_headers(request.headers)
+        self._fail_fast(engine)
         if not stream_flag(data):
             out = await engine.generate.remote(data if isinstance(data, dict) else raw, headers)
             return Response(out, media_type="application/json")
@@ -333,6 +348,7 @@ class Ingress:
 
     async def _abort(self, request: Request) -> Response:
         engine = self._require_engine()
+        check_json_content_type(request.headers.get("content-type"))
         try:
             body = json.loads(await request.body())
         except json.JSONDecodeError as exc:
@@ -344,6 +360,7 @@ class Ingress:
         request_ids = body.get("request_ids") if isinstance(body, dict) else None
         if request_ids is None:
             raise StarletteHTTPException(400, "Missing 'request_ids' in request body")
+        _check_abort_ids(request_ids, self.args.limits.max_abort_ids)
         # Every engine replica gets it (only the one running a request has it); in the background, as vLLM.
         task = asyncio.create_task(engine.broadcast("abort", request_ids).results_async())
         self._background.add(task)
@@ -369,6 +386,8 @@ class Ingress:
         body = load_body(await request.body())
         if not isinstance(body, dict):  # the render stage words the 400 exactly as vLLM
             await getattr(self.render, render).remote(body)
+        self._fail_fast(self.render)
+        self._fail_fast(self.engine)
         out = await compose(body, request.headers.get("x-request-id"))
         if isinstance(out, (bytes, bytearray)):
             return Response(out, media_type="application/json")

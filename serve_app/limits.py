@@ -6,7 +6,7 @@ from typing import Any
 
 from serve_app.errors import PayloadTooLargeError, error_body
 
-__all__ = ["BodySizeLimitMiddleware"]
+__all__ = ["BodySizeLimitMiddleware", "send_json"]
 
 
 class BodySizeLimitMiddleware:
@@ -25,7 +25,7 @@ class BodySizeLimitMiddleware:
             return
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await _send_json(send, 413, error_body(self._message(), PayloadTooLargeError.err_type, 413))
+                await send_json(send, 413, error_body(self._message(), PayloadTooLargeError.err_type, 413))
                 return
         seen = 0
 
@@ -41,7 +41,8 @@ class BodySizeLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
-async def _send_json(send: Any, status: int, body: dict[str, Any]) -> None:
+async def send_json(send: Any, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """Answer a request from ASGI middleware, before any route runs."""
     import json
 
     payload = json.dumps(body).encode()
@@ -49,7 +50,11 @@ async def _send_json(send: Any, status: int, body: dict[str, Any]) -> None:
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                *(headers or ()),
+            ],
         }
     )
     await send({"type": "http.response.body", "body": payload})

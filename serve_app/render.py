@@ -122,6 +122,7 @@ class Render:
     def deployment_options(args: AppArgs) -> dict[str, Any]:
         return {
             "max_ongoing_requests": 32,
+            "max_queued_requests": 64,
             "ray_actor_options": {"num_cpus": 0.5},
             "health_check_period_s": 10,
         }

@@ -37,6 +37,7 @@ class ParserDerender:
     def deployment_options(args: AppArgs) -> dict[str, Any]:
         return {
             "max_ongoing_requests": 32,
+            "max_queued_requests": 64,
             "ray_actor_options": {"num_cpus": 0.5},
             "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8},
             "request_router_config": {

@@ -30,6 +30,7 @@ class PlainDerender:
     def deployment_options(args: AppArgs) -> dict[str, Any]:
         return {
             "max_ongoing_requests": 64,
+            "max_queued_requests": 128,
             "ray_actor_options": {"num_cpus": 0.25},
             "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16},
         }

@@ -231,14 +231,17 @@ def test_engine_restart_keeps_cpu_tier_up(engine_app_url):
     # The engine died mid-stream: the stream ends cleanly with vLLM's in-band error frame and [DONE].
     assert rest[-1] == "[DONE]"
     error = json.loads(rest[-2])["error"]
-    assert error["code"] == 500 and error["message"]
+    assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"  # the replica went away: retry
     chat = {"messages": [{"role": "user", "content": "Hello"}]}
     for _ in range(5):
         render = httpx.post(engine_app_url + "/v1/chat/completions/render", json=chat, timeout=30)
         assert render.status_code == 200
         assert httpx.get(engine_app_url + "/health", timeout=30).status_code == 200  # liveness: up
         time.sleep(0.5)
-    not_ready = httpx.get(engine_app_url + "/ready", timeout=30)  # readiness: the engine is down
+    deadline = time.monotonic() + 60  # readiness: 503 once the controller has seen the engine go
+    while (not_ready := httpx.get(engine_app_url + "/ready", timeout=30)).status_code == 200:
+        assert time.monotonic() < deadline, "/ready never reported the dead engine"
+        time.sleep(0.5)
     assert not_ready.status_code == 503 and not_ready.headers["retry-after"]
     assert "Engine" in not_ready.json()["error"]["message"]
     deadline = time.monotonic() + 180

@@ -56,3 +56,12 @@ def test_serve_config_fits_the_machine_at_max_replicas_with_room_to_replace_one(
     largest = max(cpus for _, cpus in deployments.values())
     assert at_max + largest <= MACHINE_CPUS, deployments
     assert deployments["Ingress"][0] >= 2  # no single point of failure at the front
+
+
+def test_every_deployment_bounds_its_queue():
+    """Overload answers 503 with Retry-After (BackPressureError), never an unbounded queue."""
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    args = AppArgs.model_validate(config["applications"][0]["args"])
+    for name, deployment in _graph(args).items():
+        options = deployment.func_or_class.deployment_options(args)
+        assert 0 < options["max_queued_requests"] <= 4 * options["max_ongoing_requests"], name

@@ -57,7 +57,9 @@ class FakeEngine:
             raise
 
 
-def _service(plain, engine: FakeEngine, prompts: list[list[int]], n: int = 1) -> ComposedService:
+def _service(
+    plain, engine: FakeEngine, prompts: list[list[int]], n: int = 1, first_chunk_timeout_s: float | None = None
+) -> ComposedService:
     def gen(i: int, ids: list[int]) -> dict[str, Any]:
         rid = "cmpl-r" + (f"-{i}" if len(prompts) > 1 else "")
         return {"request_id": rid, "token_ids": ids, "sampling_params": {"n": n, "stop_token_ids": None}}
@@ -69,7 +71,7 @@ def _service(plain, engine: FakeEngine, prompts: list[list[int]], n: int = 1) ->
         return json.dumps([gen(i, p) for i, p in enumerate(prompts)]).encode()
 
     stages = Stages(render_chat, render_completion, engine.generate, engine.stream)
-    return ComposedService(stages, plain, plain, EOS)
+    return ComposedService(stages, plain, plain, EOS, first_chunk_timeout_s=first_chunk_timeout_s)
 
 
 def _chunk(ids: list[int], finish: str | None = None, index: int = 0, stop_reason: Any = None) -> dict[str, Any]:
@@ -173,3 +175,20 @@ def test_merge_interleaves_and_tags_streams():
     out = asyncio.run(run())
     assert sorted(out) == [(0, "a", 0), (0, "a", 1), (0, "a", 2), (1, "b", 0), (1, "b", 1)]
     assert [x for x in out if x[0] == 0] == [(0, "a", 0), (0, "a", 1), (0, "a", 2)]  # each stream's order kept
+
+
+def test_an_engine_without_a_first_chunk_in_time_is_a_504_and_its_stream_is_closed(plain):
+    class Stuck(FakeEngine):
+        async def stream(self, gen):
+            try:
+                await asyncio.sleep(3600)
+                yield {}
+            finally:
+                self.closed.append(gen["token_ids"][0])
+
+    engine = Stuck({})
+    body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+    with pytest.raises(ApiError) as info:
+        asyncio.run(_service(plain, engine, [[1]], first_chunk_timeout_s=0.05).chat(body))
+    assert info.value.status_code == 504
+    assert engine.closed == [1]  # the engine request is cancelled, not left generating

@@ -16,6 +16,7 @@ import pytest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
+from serve_app.config import AppArgs
 from serve_app.errors import ApiError, envelope
 from serve_app.ingress import Ingress, stream_id
 
@@ -33,14 +34,15 @@ class _Engine:
         return SimpleNamespace(results_async=results_async)
 
 
-def _abort(body: bytes):
+def _abort(body: bytes, content_type: bytes = b"application/json"):
     engine = _Engine()
-    owner = SimpleNamespace(_require_engine=lambda: engine, _background=set())
+    owner = SimpleNamespace(_require_engine=lambda: engine, _background=set(), args=AppArgs(limits={"max_abort_ids": 3}))
 
     async def receive():
         return {"type": "http.request", "body": body, "more_body": False}
 
-    request = Request({"type": "http", "method": "POST", "path": "/abort_requests", "headers": []}, receive)
+    headers = [(b"content-type", content_type)]
+    request = Request({"type": "http", "method": "POST", "path": "/abort_requests", "headers": headers}, receive)
 
     async def call():
         response = await Ingress.func_or_class._abort(owner, request)
@@ -69,6 +71,30 @@ def test_unparseable_bodies_are_a_400_bad_request(body):
         _abort(body)
     status, env = envelope(got.value)
     assert status == 400 and env["error"]["type"] == "BadRequestError" and env["error"]["code"] == 400
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"request_ids": "abc"}',  # not a list
+        b'{"request_ids": [1, 2]}',
+        b'{"request_ids": [""]}',
+        b'{"request_ids": ["' + b"x" * 257 + b'"]}',
+        b'{"request_ids": ["a", "b", "c", "d"]}',  # past limits.max_abort_ids (3 here)
+    ],
+)
+def test_the_broadcast_is_bounded(body):
+    with pytest.raises(ApiError) as got:
+        _abort(body)
+    assert got.value.status_code == 400 and got.value.param == "request_ids"
+
+
+def test_abort_needs_a_json_content_type():
+    with pytest.raises(ApiError) as got:
+        _abort(b'{"request_ids": ["a"]}', content_type=b"text/plain")
+    assert got.value.status_code == 400
+    response, engine = _abort(b'{"request_ids": ["a"]}', content_type=b"application/json")
+    assert response.status_code == 200 and engine.aborted == [("abort", ["a"])]
 
 
 @pytest.mark.parametrize("body", [b"", b"{", b"not json"])
@@ -153,3 +179,18 @@ def test_stream_id_is_linear_on_hostile_bodies(raw):
     stream_id(raw)
     stream_id(raw * 8)
     assert time.perf_counter() - start < 1.0
+
+
+def test_overload_and_unavailable_stages_answer_503_with_retry_after():
+    from ray.serve.exceptions import BackPressureError
+
+    from serve_app.errors import ServiceUnavailableError
+    from serve_app.ingress import _any_exception
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []})
+    for exc in (BackPressureError(num_queued_requests=9, max_queued_requests=8), ServiceUnavailableError("down")):
+        response = asyncio.run(_any_exception(request, exc))
+        assert response.status_code == 503 and int(response.headers["retry-after"]) > 0
+        assert json.loads(response.body)["error"]["code"] == 503
+    response = asyncio.run(_any_exception(request, ApiError("bad", status_code=400, err_type="BadRequestError")))
+    assert response.status_code == 400 and "retry-after" not in response.headers

@@ -1,0 +1,72 @@
+"""What the Serve controller says of this application's deployments, for readiness and fail-fast.
+
+The Ingress asks at most once a second, off its event loop, and answers from the last answer:
+``/ready`` lists the deployments that are not HEALTHY, and a call to a stage with no RUNNING
+replica is a 503 with ``Retry-After`` at once instead of a request queued until a replacement
+starts (which, for a replica importing vLLM, takes minutes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["DeploymentHealth", "StageHealth", "fetch_serve_status"]
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentHealth:
+    status: str  # Serve's: HEALTHY, UPDATING, UNHEALTHY, ...
+    running: int  # replicas RUNNING
+
+
+def fetch_serve_status(app_name: str) -> dict[str, DeploymentHealth] | None:
+    """The application's deployments as the controller sees them (``None``: not deployed). Blocking."""
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    if app is None:
+        return None
+    return {
+        # Serve's states are str Enums: `.value` is the bare name ("HEALTHY"), str() is not.
+        name: DeploymentHealth(getattr(d.status, "value", str(d.status)), int(d.replica_states.get("RUNNING", 0)))
+        for name, d in app.deployments.items()
+    }
+
+
+class StageHealth:
+    """The last known health of one application's deployments, refreshed in the background."""
+
+    def __init__(
+        self, app_name: str, fetch: Callable[[str], dict[str, DeploymentHealth] | None] = fetch_serve_status, ttl_s: float = 1.0
+    ) -> None:
+        self.app_name = app_name
+        self._fetch = fetch
+        self._ttl_s = ttl_s
+        self._fetched_at = float("-inf")
+        self._deployments: dict[str, DeploymentHealth] | None = None
+        self._refreshing: asyncio.Task[None] | None = None
+
+    async def refresh(self) -> None:
+        """Ask the controller now, unless the last answer is under ``ttl_s`` old."""
+        if time.monotonic() - self._fetched_at > self._ttl_s:
+            self._deployments = await asyncio.to_thread(self._fetch, self.app_name)
+            self._fetched_at = time.monotonic()
+
+    def refresh_soon(self) -> None:
+        """Refresh in the background if stale; never makes the caller wait."""
+        if time.monotonic() - self._fetched_at > self._ttl_s and (self._refreshing is None or self._refreshing.done()):
+            self._refreshing = asyncio.get_running_loop().create_task(self.refresh())
+
+    def not_ready(self) -> list[str]:
+        """``name (STATUS)`` for each deployment that is not HEALTHY."""
+        if self._deployments is None:
+            return [f"{self.app_name} (not deployed)"]
+        return sorted(f"{name} ({d.status})" for name, d in self._deployments.items() if d.status != "HEALTHY")
+
+    def down(self, deployment: str) -> bool:
+        """True when the last answer showed ``deployment`` with no RUNNING replica (unknown: not down)."""
+        d = (self._deployments or {}).get(deployment)
+        return d is not None and d.running == 0

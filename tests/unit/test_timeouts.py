@@ -1,0 +1,49 @@
+"""``serve_app.timeouts.within``: a stage that does not answer is a 504 in the envelope, and is cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serve_app.errors import ApiError, envelope
+from serve_app.timeouts import within
+
+
+class SlowCall:
+    """A stand-in DeploymentResponse: awaitable, cancellable, never answering."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def __await__(self):
+        return asyncio.sleep(3600).__await__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_a_call_past_its_deadline_is_a_504_and_is_cancelled():
+    call = SlowCall()
+
+    async def run() -> float:
+        start = asyncio.get_running_loop().time()
+        with pytest.raises(ApiError) as got:
+            await within(call, 0.05, "Render")
+        status, body = envelope(got.value)
+        assert status == 504 and body["error"]["type"] == "GatewayTimeoutError" and "Render" in body["error"]["message"]
+        return asyncio.get_running_loop().time() - start
+
+    assert asyncio.run(run()) < 1
+    assert call.cancelled
+
+
+def test_an_answer_in_time_passes_through_and_none_means_no_deadline():
+    async def answer() -> str:
+        await asyncio.sleep(0.01)
+        return "ok"
+
+    async def run() -> tuple:
+        return await within(answer(), 1, "x"), await within(answer(), None, "x")
+
+    assert asyncio.run(run()) == ("ok", "ok")
