@@ -25,7 +25,7 @@ from ray import serve
 
 from serve_app._vllm import call_vllm
 from serve_app.config import AppArgs, ResolvedModel
-from serve_app.errors import ApiError
+from serve_app.errors import ApiError, BadRequestError
 from serve_app.wire import dump_json, load_body, validate_model
 
 __all__ = ["Engine", "EngineService", "EngineStreamError"]
@@ -74,6 +74,12 @@ def parse_sse_frame(frame: str) -> dict[str, Any] | None:
     return chunk
 
 
+def check_token_ids(token_ids: list[int] | None, vocab_size: int) -> None:
+    """vLLM's own out-of-vocabulary 400 (``BaseRenderer.validate_token_ids``), also without a tokenizer."""
+    if token_ids and max(token_ids) >= vocab_size:
+        raise BadRequestError(f"Token id {max(token_ids)} is out of vocabulary", param="token_ids")
+
+
 class EngineService:
     """Ray-free core: ``GenerateRequest`` JSON in, vLLM's ``/inference/v1/generate`` output out."""
 
@@ -83,6 +89,9 @@ class EngineService:
         self.engine = state.engine_client
         self._request = state.generate_request_model()
         self._error_cls = state.error_response_model()
+        # The model's embedding rows. vLLM checks prompt ids against the vocabulary only when it has a
+        # tokenizer; a tokens-only engine indexes an id past it and its EngineCore dies for good.
+        self.vocab_size: int = state.vllm_config.model_config.get_vocab_size()
 
     @classmethod
     async def create(cls, args: AppArgs, model: ResolvedModel) -> EngineService:
@@ -98,6 +107,7 @@ class EngineService:
             if stream is not None and isinstance(data, dict):
                 data = {**data, "stream": stream}
             request = validate_model(self._request, data)
+            check_token_ids(request.token_ids, self.vocab_size)
             return await self.serving.serve_tokens(request, _RawRequest(headers))
 
         return await call_vllm(start(), self._error_cls)

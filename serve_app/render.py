@@ -37,6 +37,10 @@ def _always_emit_max_tokens(generate_request: Any, dumped: dict[str, Any]) -> di
     return dumped
 
 
+async def _validated(validate: Any, token_ids: list[int]) -> None:
+    validate(token_ids, parameter="prompt")
+
+
 class RenderService:
     """Ray-free render core over vLLM's ``ServingRender`` and ``ServingTokenization``."""
 
@@ -85,6 +89,11 @@ class RenderService:
     async def completion(self, body: bytes, request_id: str | None = None) -> bytes:
         render = self.state.serving_render.render_completion_request
         out = await self._run(self._completion, render, body, _RawRequest(request_id))
+        # Token-id prompts pass vLLM's render unchecked; an id past the model's vocabulary would
+        # reach the engine (vLLM's own check, with the renderer's tokenizer and model vocab size).
+        validate = self.state.online_renderer.renderer.validate_token_ids
+        for item in out:
+            await call_vllm(_validated(validate, item.token_ids), self._error_cls)
         return dump_json([_always_emit_max_tokens(item, item.model_dump()) for item in out])
 
     async def messages(self, body: bytes, request_id: str | None = None) -> bytes:

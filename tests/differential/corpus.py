@@ -472,7 +472,7 @@ def completion_cases(m: ModelSpec) -> list[Case]:
         c("truncate", prompt=LONG_SYSTEM, truncate_prompt_tokens=10),
         c("json-format", prompt="JSON:", response_format={"type": "json_object"}),
         c("model-named", model=m.name, prompt="named"),
-        c("out-of-vocab-ids", prompt=[m.vocab_size + 10]),  # render does not check the vocabulary
+        c("out-of-vocab-ids", prompt=[m.vocab_size + 10]),  # vLLM's render does not check the vocabulary (ours: 400)
         c("negative-id", 400, prompt=[-1]),
         c("empty-string", 400, prompt=""),
         c("empty-list", 400, prompt=[]),

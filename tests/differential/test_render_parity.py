@@ -5,7 +5,11 @@ Serve) and to vLLM's ``vllm launch render`` app in this process. The answers mus
 every ``GenerateRequest`` field (request ids included: both sides get the same ``X-Request-Id``),
 every ``/tokenize`` / ``/detokenize`` field, and for errors the status code and the whole envelope.
 
-Two differences are intended and asserted exactly, nothing looser:
+Three differences are intended and asserted exactly, nothing looser:
+
+* A completions prompt of token ids past the model's vocabulary: vLLM's render passes it on (and a
+  tokens-only engine's EngineCore then dies on it); serve_app answers vLLM's own out-of-vocabulary
+  400 (``param: prompt``). Cases in ``REJECTED_OUT_OF_VOCAB``.
 
 * ``sampling_params.max_tokens``: vLLM 0.32 drops it when it equals 16 (msgspec ``omit_defaults``);
   serve_app always emits it. Where vLLM's answer lacks the key, ours must carry ``16`` and
@@ -120,6 +124,9 @@ def assert_same_error(ours: httpx.Response, ref: httpx.Response) -> None:
         }, f"\nours: {ours.text}\nvLLM: {ref.text}"
 
 
+REJECTED_OUT_OF_VOCAB = {"cmpl-out-of-vocab-ids"}
+
+
 @pytest.mark.parametrize(("model", "case"), PARAMS)
 def test_render_matches_vllm(request: pytest.FixtureRequest, http: httpx.Client, model: str, case: Case) -> None:
     # Session fixtures, looked up by model so each app and oracle starts on first use only.
@@ -133,6 +140,12 @@ def test_render_matches_vllm(request: pytest.FixtureRequest, http: httpx.Client,
 
     ours = http.post(base_url + case.path, content=content, headers=headers)
     assert _media_type(ours) == _media_type(ref) == "application/json"
+
+    if case.id in REJECTED_OUT_OF_VOCAB:
+        error = ours.json()["error"]
+        assert (ours.status_code, error["param"], error["type"]) == (400, "prompt", "BadRequestError")
+        assert "is out of vocabulary" in error["message"]
+        return
 
     if ref.status_code != 200:
         assert_same_error(ours, ref)

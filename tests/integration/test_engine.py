@@ -207,6 +207,23 @@ def test_a_stream_flag_that_is_not_a_boolean_is_a_400(engine_app_url, path, body
     assert error["code"] == 400 and "boolean" in error["message"]
 
 
+@pytest.mark.parametrize("bad_id", [151936, 200_000, 2**31, 2**33])  # qwen3-tiny's model vocabulary: 151936 rows
+def test_token_ids_past_the_vocabulary_are_a_400_and_the_engine_lives(engine_app_url, bad_id):
+    """A tokens-only vLLM engine indexes such an id and its EngineCore dies for good (every later
+    request a 500): ours answers vLLM's out-of-vocabulary 400 before the engine sees it."""
+    for path, body, param in [
+        ("/inference/v1/generate", {"token_ids": [9707, bad_id], "sampling_params": {"max_tokens": 2}}, "token_ids"),
+        ("/v1/completions", {"prompt": [9707, bad_id], "max_tokens": 2}, "prompt"),
+        ("/v1/completions/render", {"prompt": [bad_id]}, "prompt"),
+    ]:
+        resp = httpx.post(engine_app_url + path, json=body, timeout=60)
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == param and f"Token id {bad_id} is out of vocabulary" in error["message"]
+    ok = httpx.post(engine_app_url + "/v1/completions", json={"prompt": [9707, 151935], "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200  # the last row of the vocabulary is fine, and the engine is alive
+
+
 def test_no_engine_routes_without_engine(app_url):
     for path in ("/inference/v1/generate", "/v1/chat/completions", "/v1/completions", "/abort_requests"):
         resp = httpx.post(app_url + path, json={})
