@@ -67,6 +67,19 @@ class RenderState:
         self.vllm_config = state.vllm_config
         self.args = state.args
 
+    def chat_templates(self) -> list[str] | None:
+        """The server's Jinja chat templates: ``--chat-template`` and the tokenizer's own (named ones
+        too). ``None`` when chat renders without Jinja (Harmony, or a model's own renderer, such as
+        DeepSeek V4's or Mistral's, which checks roles itself)."""
+        from vllm.renderers.hf import HfRenderer
+
+        online = self.online_renderer
+        if online.use_harmony or not isinstance(online.renderer, HfRenderer):
+            return None
+        own = getattr(online.renderer.get_tokenizer(), "chat_template", None)
+        texts = [online.chat_template, *(own.values() if isinstance(own, dict) else [own])]
+        return [t for t in texts if isinstance(t, str)]
+
 
 async def build_render_state(args: AppArgs, model: ResolvedModel, extra_argv: list[str] | None = None) -> RenderState:
     """Build what ``vllm launch render`` builds, minus the HTTP server (``run_launch_fastapi``)."""
@@ -191,6 +204,16 @@ class ParserKit:
         ):
             request = self.new_parser(request, template_kwargs).adjust_request(request=request)
         return request
+
+    def without_messages(self, request: Any) -> Any:
+        """``request`` as vLLM's parsers read it, without the conversation: of the messages they
+        only count the assistant tool calls (``count_history_tool_calls``, for tool-call ids), so
+        one assistant message with as many placeholder calls stands in for them."""
+        from vllm.parser.utils import count_history_tool_calls
+
+        calls = count_history_tool_calls(request)
+        history = [{"role": "assistant", "tool_calls": [{}] * calls}] if calls else []
+        return request.model_copy(update={"messages": history})
 
 
 async def build_parser_kit(args: AppArgs, model: ResolvedModel, state: RenderState | None = None) -> ParserKit:

@@ -34,6 +34,30 @@ class RequestLimits(_Strict):
     max_completion_prompts: int = Field(
         1024, gt=0, description="vLLM's VLLM_MAX_COMPLETION_PROMPTS: most prompts in one completions request."
     )
+    # The three below bound one derender request as a whole (vLLM bounds each response and choice
+    # only) and are checked on the parsed JSON, before schema validation: pydantic holds the GIL
+    # for the whole of it, so an unbounded body would stall the event loop even from a thread.
+    max_derender_choices: int = Field(
+        16384,
+        gt=0,
+        description="Most choices in one derender request, all its generate responses together (one maximal n).",
+    )
+    max_derender_tokens: int = Field(
+        1 << 21,
+        gt=0,
+        description=(
+            "Most token ids in one derender request: every choice's output and every prompt_token_ids "
+            "together (2,097,152: sixteen full 128k-token sequences; ~2 us of CPU each)."
+        ),
+    )
+    max_derender_logprobs: int = Field(
+        1 << 20,
+        gt=0,
+        description=(
+            "Most logprob entries in one derender request, sampled and top candidates together "
+            "(1,048,576: a 48k-token output with 20 top logprobs a position; ~7 us of CPU each)."
+        ),
+    )
     stage_timeout_s: float | None = Field(
         60.0,
         gt=0,
@@ -51,14 +75,26 @@ class RequestLimits(_Strict):
 
 
 class ParserSessionArgs(_Strict):
-    """The replica-local cache of live parser sessions in ParserDerender (see serve_app/derender/sessions.py)."""
+    """ParserDerender's replica-local caches: live parser sessions (serve_app/derender/sessions.py) and
+    the chat requests their chunks carry, checked once."""
 
     max_sessions: int = Field(4096, ge=0, description="Live streams kept per replica (LRU); 0 turns the cache off.")
     ttl_s: float = Field(300.0, gt=0, description="A session unused this long is dropped.")
     max_tokens: int = Field(
         1_000_000,
         gt=0,
-        description="Prompt plus output tokens held per replica: the cache's memory bound (130-270 B a token, bench/).",
+        description=(
+            "Token ids the sessions hold per replica: the cache's memory bound (130-270 B a token, bench/). A "
+            "session holds its output; of the prompt only a digest, once its parser has read it."
+        ),
+    )
+    max_request_bytes: int = Field(
+        32 * 1024 * 1024,
+        gt=0,
+        description=(
+            "Bytes of checked chat requests kept per replica (LRU, at most 1024), so a stream's later chunks "
+            "skip validation: each as JSON, without its messages, which parsers do not need."
+        ),
     )
 
 

@@ -4,20 +4,56 @@ The work is vLLM's own: :func:`serve_app._vllm.build_render_state` builds the ob
 ``vllm launch render`` serves with, so token ids and sampling params match it for the same model,
 flags and request. What this module adds is the shell: body parsing and validation with vLLM's
 400s, errors raised as typed :class:`~serve_app.errors.ApiError`, JSON bytes out (one copy back
-through Ray), and the fix for vLLM 0.32 dropping ``max_tokens`` when it equals 16.
+through Ray), the fix for vLLM 0.32 dropping ``max_tokens`` when it equals 16, and a 400 for a chat
+message whose role the template would silently leave out of the prompt (:func:`check_roles`).
+
+Template application and tokenization, the CPU-heavy part of a big prompt, already run in vLLM's
+renderer thread pool (``make_async`` in ``vllm/renderers``), off this replica's event loop.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ray import serve
 
 from serve_app._vllm import call_vllm
 from serve_app.config import AppArgs, ResolvedModel
+from serve_app.errors import BadRequestError
 from serve_app.wire import dump_json, load_body, validate_model
 
-__all__ = ["Render", "RenderService"]
+__all__ = ["OPENAI_ROLES", "Render", "RenderService", "check_roles", "template_roles"]
+
+OPENAI_ROLES = frozenset({"assistant", "developer", "function", "system", "tool", "user"})
+"""The OpenAI API's message roles (vLLM's typed messages). vLLM passes any other role on to the template."""
+
+# A template picks a message's branch by comparing its role with literals (`message.role == "tool"`,
+# `message['role'] in ['user', 'system']`): a role it never names falls through every branch and
+# vanishes from the prompt. Literals are read up to a length, so one scan stays linear.
+_ROLE_TEST = re.compile(r"""role["'\]]*\s*(?:==|!=|(?:not\s+)?in)\s*(\[[^\]]{0,500}\]|\([^)]{0,500}\)|"[^"]{0,100}"|'[^']{0,100}')""")
+_QUOTED = re.compile(r"""["']([^"']+)["']""")
+
+
+def template_roles(templates: list[str]) -> frozenset[str]:
+    """The roles a chat may use with these templates: OpenAI's, and every role they name (Llama 3's
+    ``ipython``, GLM's ``observation``, ...)."""
+    return OPENAI_ROLES.union(name for t in templates for test in _ROLE_TEST.findall(t) for name in _QUOTED.findall(test))
+
+
+def check_roles(messages: Any, roles: frozenset[str]) -> None:
+    """Raise vLLM's 400 for the first message whose role is not in ``roles``.
+
+    vLLM 0.32 accepts any role (``CustomChatCompletionMessageParam``) and a template that does not
+    know it drops the message without a word; here that is a clear 400 instead.
+    """
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        role = message.get("role") if isinstance(message, dict) else None
+        if isinstance(role, str) and role not in roles:
+            raise BadRequestError(
+                f"Unsupported message role {role!r} in messages[{i}]. Expected one of: {', '.join(sorted(roles))}.",
+                param="messages",
+            )
 
 
 class _RawRequest:
@@ -54,6 +90,8 @@ class RenderService:
         from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 
         self.state = state
+        templates = state.chat_templates()
+        self._roles = template_roles(templates) if templates is not None else None  # None: roles not checked here
         self._error_cls = ErrorResponse
         self._chat = ChatCompletionRequest
         self._completion = CompletionRequest
@@ -78,9 +116,22 @@ class RenderService:
         async def serve_one() -> Any:
             data = load_body(body)
             request = validate_model(validator, data)
+            self._check_roles(request)
             return await (handler(request) if raw_request is None else handler(request, raw_request))
 
         return await call_vllm(serve_one(), self._error_cls)
+
+    def _check_roles(self, request: Any) -> None:
+        """Chat messages only (chat render, chat ``/tokenize``): the other requests type their roles."""
+        messages = getattr(request, "messages", None)
+        if self._roles is None or not isinstance(messages, list):
+            return
+        kwargs = getattr(request, "chat_template_kwargs", None) or {}
+        own = getattr(request, "chat_template", None) or kwargs.get("chat_template")
+        if own is None:
+            check_roles(messages, self._roles)
+        elif self.state.args.trust_request_chat_template:  # an untrusted one: vLLM refuses the request
+            check_roles(messages, self._roles | template_roles([own] if isinstance(own, str) else []))
 
     async def chat(self, body: bytes, request_id: str | None = None) -> bytes:
         out = await self._run(self._chat, self.state.serving_render.render_chat_request, body, _RawRequest(request_id))

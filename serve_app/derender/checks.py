@@ -2,7 +2,9 @@
 
 :class:`DerenderModel` is what a derender service knows of its model (tokenizer, served names,
 limits, EOS ids); the functions bound a request before any decoding, so an oversized one is a 400
-before it costs anything.
+before it costs anything. :func:`check_size` runs first, on the parsed JSON: it bounds the request
+as a whole (vLLM bounds each response and choice only) before schema validation, whose cost grows
+with the body and which holds the GIL throughout.
 """
 
 from __future__ import annotations
@@ -15,7 +17,16 @@ from serve_app.derender.stop import StopTokens
 from serve_app.derender.tokenizer import DetokTokenizer
 from serve_app.errors import BadRequestError, NotFoundError
 
-__all__ = ["DerenderLimits", "DerenderModel", "check_bounds", "check_choices", "check_prompt_ids", "check_stream_chunk"]
+__all__ = [
+    "DerenderLimits",
+    "DerenderModel",
+    "check_bounds",
+    "check_choices",
+    "check_prompt_ids",
+    "check_size",
+    "check_stream_chunk",
+    "check_stream_window",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +34,10 @@ class DerenderLimits:
     max_model_len: int
     max_logprobs: int
     max_n_sequences: int
+    # Per request, all responses and choices together (serve_app.config.RequestLimits.max_derender_*).
+    max_choices: int = 16384
+    max_tokens: int = 1 << 21
+    max_logprob_entries: int = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +53,15 @@ class DerenderModel:
     def from_config(cls, args: Any, model: Any) -> DerenderModel:
         """From the app's ``AppArgs`` and ``ResolvedModel``: loads the tokenizer (``tokenizers`` only)."""
         tok = DetokTokenizer(model.tokenizer_dir, model.special_token_ids)
-        limits = DerenderLimits(model.max_model_len, args.max_logprobs, args.limits.max_n_sequences)
+        bounds = args.limits
+        limits = DerenderLimits(
+            model.max_model_len,
+            args.max_logprobs,
+            bounds.max_n_sequences,
+            bounds.max_derender_choices,
+            bounds.max_derender_tokens,
+            bounds.max_derender_logprobs,
+        )
         return cls(tok, model.served_model_names, limits, model.eos_token_ids)
 
     def model_name(self, model: str | None) -> str:
@@ -77,19 +100,25 @@ def check_choices(choices: Sequence[Any], limits: DerenderLimits) -> None:
                     )
 
 
+def _too_many_responses(count: int, max_n: int) -> BadRequestError:
+    return BadRequestError(
+        f"generate_responses count ({count}) exceeds server maximum ({max_n}). "
+        "Set VLLM_MAX_N_SEQUENCES to increase this limit."
+    )
+
+
+def _too_many_choices(count: int, request_id: str, max_n: int) -> BadRequestError:
+    return BadRequestError(f"choices count ({count}) in response '{request_id}' exceeds server maximum ({max_n}).")
+
+
 def check_bounds(responses: Sequence[Any], limits: DerenderLimits) -> None:
     """A non-streaming call's generate responses: how many, how many choices, how long."""
     max_n, max_len = limits.max_n_sequences, limits.max_model_len
     if len(responses) > max_n:
-        raise BadRequestError(
-            f"generate_responses count ({len(responses)}) exceeds server maximum ({max_n}). "
-            "Set VLLM_MAX_N_SEQUENCES to increase this limit."
-        )
+        raise _too_many_responses(len(responses), max_n)
     for gen in responses:
         if len(gen.choices) > max_n:
-            raise BadRequestError(
-                f"choices count ({len(gen.choices)}) in response '{gen.request_id}' exceeds server maximum ({max_n})."
-            )
+            raise _too_many_choices(len(gen.choices), gen.request_id, max_n)
         check_choices(gen.choices, limits)
         if gen.prompt_logprobs and len(gen.prompt_logprobs) > max_len:
             raise BadRequestError(
@@ -114,3 +143,75 @@ def check_stream_chunk(chunk: Any, prompt_len: int, prior_len: int, limits: Dere
             f"({delta_len}) exceeds max_model_len ({limits.max_model_len})."
         )
     check_choices(chunk.choices, limits)
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def check_size(data: Any, limits: DerenderLimits) -> int:
+    """Bound a derender request as a whole, on its parsed JSON, before schema validation.
+
+    It counts and does not validate: a value of an unexpected shape counts as nothing and is left
+    to the schema. vLLM's own count checks come first, in its words, so a body vLLM would refuse
+    for its size gets vLLM's message (only sooner, before a schema error it may also hold).
+
+    Returns:
+        The request's work: token ids plus logprob entries (what decoding costs grow with).
+
+    Raises:
+        BadRequestError: too many generate responses, choices, token ids or logprob entries.
+    """
+    if not isinstance(data, dict):
+        return 0
+    completions = "generate_responses" in data
+    if completions:
+        responses = _list(data["generate_responses"])
+        if len(responses) > limits.max_n_sequences:
+            raise _too_many_responses(len(responses), limits.max_n_sequences)
+    else:  # chat: one response, or one chunk of a stream
+        responses = [data.get("generate_response"), data.get("generate_chunk")]
+    prompt_ids = _list(data.get("prompt_token_ids"))  # completions: one list per response
+    tokens = sum(len(_list(ids)) for ids in prompt_ids) if completions else len(prompt_ids)
+    state = data.get("stream_state")
+    tokens += len(_list(state.get("output_token_ids"))) if isinstance(state, dict) else 0
+    choices = logprobs = 0
+    for gen in responses:
+        if not isinstance(gen, dict):
+            continue
+        gen_choices = _list(gen.get("choices"))
+        request_id = gen.get("request_id")
+        if len(gen_choices) > limits.max_n_sequences and isinstance(request_id, str):
+            raise _too_many_choices(len(gen_choices), request_id, limits.max_n_sequences)
+        choices += len(gen_choices)
+        tokens += len(_list(gen.get("prompt_token_ids")))
+        for choice in gen_choices:
+            if not isinstance(choice, dict):
+                continue
+            tokens += len(_list(choice.get("token_ids")))
+            lp = choice.get("logprobs")
+            content = _list(lp.get("content")) if isinstance(lp, dict) else []
+            logprobs += len(content) + sum(len(_list(e.get("top_logprobs"))) for e in content if isinstance(e, dict))
+    for count, limit, what, field in (
+        (choices, limits.max_choices, "choices", "max_derender_choices"),
+        (tokens, limits.max_tokens, "token_ids", "max_derender_tokens"),
+        (logprobs, limits.max_logprob_entries, "logprobs entries", "max_derender_logprobs"),
+    ):
+        if count > limit:
+            raise BadRequestError(
+                f"{what} count ({count}) in request exceeds server maximum ({limit}). "
+                f"Set limits.{field} to increase this limit."
+            )
+    return tokens + logprobs
+
+
+def check_stream_window(state: Any, tok: DetokTokenizer) -> None:
+    """A carried decode window that adds up: offsets inside ``prev_tokens``, pieces of this vocabulary.
+
+    vLLM trusts it; a tampered one decodes garbage or fails deep inside (a 400 here instead).
+    """
+    if state.prefix_offset > state.read_offset or state.read_offset > len(state.prev_tokens):
+        raise BadRequestError("invalid stream_state: offsets do not fit prev_tokens")
+    pieces = tok.piece_set
+    if any(p not in pieces and p != "" for p in state.prev_tokens):
+        raise BadRequestError("invalid stream_state: prev_tokens holds pieces outside the vocabulary")

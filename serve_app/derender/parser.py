@@ -14,7 +14,7 @@ from ray import serve
 
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.derender.checks import DerenderModel
-from serve_app.derender.parser_service import ParserDerenderService
+from serve_app.derender.parser_service import ParserDerenderService, ParserSession
 from serve_app.derender.sessions import SessionCache
 
 __all__ = ["ParserDerender", "build_parser_service"]
@@ -26,7 +26,8 @@ async def build_parser_service(args: AppArgs, model: ResolvedModel, render_state
 
     kit = await build_parser_kit(args, model, render_state)
     c = args.parser_sessions
-    return ParserDerenderService(DerenderModel.from_config(args, model), kit, SessionCache(c.max_sessions, c.ttl_s, c.max_tokens))
+    sessions = SessionCache[ParserSession](c.max_sessions, c.ttl_s, c.max_tokens)
+    return ParserDerenderService(DerenderModel.from_config(args, model), kit, sessions, c.max_request_bytes)
 
 
 @serve.deployment(name="ParserDerender")

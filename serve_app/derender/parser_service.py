@@ -28,11 +28,18 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
-from serve_app.derender.checks import DerenderModel, check_bounds, check_prompt_ids, check_stream_chunk
+from serve_app.derender.checks import (
+    DerenderModel,
+    check_bounds,
+    check_prompt_ids,
+    check_size,
+    check_stream_chunk,
+    check_stream_window,
+)
 from serve_app.derender.detokenize import detokenize_delta, seed_window
 from serve_app.derender.logprobs import context_tail, resolve_logprobs
 from serve_app.derender.responses import chat_chunk, chat_response, stream_state, stream_usage, usage
-from serve_app.derender.sessions import SessionCache, state_digest
+from serve_app.derender.sessions import SessionCache, prompt_key, state_digest
 from serve_app.derender.stop import StopTokens
 from serve_app.errors import ApiError, BadRequestError, validation_error
 from serve_app.protocol import (
@@ -51,6 +58,7 @@ logger = logging.getLogger(__name__)
 _CHAT = TypeAdapter(DerenderChatRequestUnion)
 _STREAM_CHUNK = TypeAdapter(GenerateTokensStreamResponse)
 _CONFIG_CACHE_SIZE = 1024
+_MAX_REQUEST_BYTES = 32 << 20  # the default of serve_app.config.ParserSessionArgs.max_request_bytes
 _FINISHED = -1  # the choice index under which a finished stream's session waits for its usage chunk
 
 
@@ -59,7 +67,7 @@ class RequestConfig:
     """What a chat request decides for derender, validated once per distinct request (by content hash)."""
 
     key: bytes
-    request: Any  # vLLM's ChatCompletionRequest
+    request: Any  # vLLM's ChatCompletionRequest, without its messages (ParserKit.without_messages)
     template_kwargs: dict[str, Any]
     named_tool_choice: bool
     required_tool_choice: bool
@@ -71,6 +79,7 @@ class RequestConfig:
     skip_special_tokens: bool  # after the parser's adjust_request, as the engine decodes
     top_logprobs: int  # entries kept per token (-1: all)
     echo: str  # with echo: the last message's text, put in front of the content
+    size: int  # what it keeps, for the cache's bound in bytes: the request as JSON, and echo
 
 
 class _InvalidChatRequest(Exception):
@@ -87,16 +96,20 @@ class ParserSession:
     """One choice's live parser, the decode window in front of it, and the output it has parsed.
 
     The only writer of its state: ``feed`` decodes and parses a chunk and records its ids, so the
-    session's ``output_ids`` / ``chunk_lens`` are always what the parser has seen.
+    session's ``output_ids`` / ``chunk_lens`` are always what the parser has seen. Of the prompt it
+    keeps a digest (which stream it is) and the ids only until its parser has read them: vLLM's
+    parsers settle their start state from the prompt on their first ``parse_delta`` and ignore it
+    after.
     """
 
-    __slots__ = ("kit", "tok", "config", "parser", "window", "prompt_token_ids", "output_ids", "chunk_lens")
+    __slots__ = ("kit", "tok", "config", "parser", "window", "prompt_key", "prompt_token_ids", "output_ids", "chunk_lens")
 
     def __init__(self, kit: Any, tok: Any, config: RequestConfig, prompt_token_ids: list[int]) -> None:
         self.kit, self.tok, self.config = kit, tok, config
         self.parser = kit.new_parser(config.request, config.template_kwargs)
         self.window = seed_window(tok, prompt_token_ids, config.skip_special_tokens)
-        self.prompt_token_ids = prompt_token_ids
+        self.prompt_key = prompt_key(prompt_token_ids)
+        self.prompt_token_ids: list[int] | None = prompt_token_ids  # until the parser has read it
         self.output_ids: list[int] = []
         self.chunk_lens: list[int] = []
 
@@ -111,18 +124,20 @@ class ParserSession:
             start += n
         return session
 
-    def matches(self, prompt_ids: list[int], state: DerenderStreamState) -> bool:
-        """Whether this session parsed exactly the carried output (a digest hit is confirmed here)."""
+    def matches(self, prompt: bytes, state: DerenderStreamState) -> bool:
+        """Whether this session parsed exactly the carried output after the prompt whose
+        :func:`~serve_app.derender.sessions.prompt_key` is ``prompt`` (a digest hit is confirmed here)."""
         return (
             self.output_ids == state.output_token_ids
             and self.chunk_lens == state.output_chunk_lens
-            and self.prompt_token_ids == prompt_ids
+            and self.prompt_key == prompt
         )
 
     @property
     def tokens(self) -> int:
-        """What the session holds, for the cache's token budget."""
-        return len(self.prompt_token_ids) + len(self.output_ids)
+        """The token ids the session holds, for the cache's token budget: its output (and the prompt,
+        until the parser has read it)."""
+        return len(self.output_ids) + len(self.prompt_token_ids or ())
 
     def feed(self, delta_ids: list[int], finished: bool, text_ids: Sequence[int]) -> Any:
         """Parse one chunk as ``parse_delta`` sees it under ``vllm serve``; returns a DeltaMessage or None.
@@ -137,9 +152,11 @@ class ParserSession:
             self.chunk_lens.append(len(delta_ids))
         elif not finished:
             return None
-        return self.parser.parse_delta(
+        message = self.parser.parse_delta(
             text, delta_ids, config.request, prompt_token_ids=self.prompt_token_ids, finished=finished
         )
+        self.prompt_token_ids = None  # read: the parser's start state is settled
+        return message
 
     def reasoning_tokens(self) -> int:
         return self.parser.count_reasoning_tokens(tuple(self.output_ids))
@@ -173,11 +190,15 @@ class ParserDerenderService:
     :class:`ParserSession` its parser.
     """
 
-    def __init__(self, model: DerenderModel, kit: Any, cache: SessionCache[ParserSession]) -> None:
+    def __init__(
+        self, model: DerenderModel, kit: Any, cache: SessionCache[ParserSession], max_request_bytes: int = _MAX_REQUEST_BYTES
+    ) -> None:
         self.model = model
         self.kit = kit
         self.sessions = cache
-        self._configs: OrderedDict[bytes, RequestConfig] = OrderedDict()
+        self._configs: OrderedDict[bytes, RequestConfig] = OrderedDict()  # LRU, bounded in entries and bytes
+        self._config_bytes = 0
+        self.max_request_bytes = max_request_bytes
 
     # --- per-request configuration ---------------------------------------------------------------
 
@@ -201,6 +222,8 @@ class ParserDerenderService:
         request = kit.adjust_request(request, template_kwargs)
         tool_choice = request.tool_choice
         role = "assistant" if request.add_generation_prompt else request.messages[-1]["role"]
+        echo = _echo_text(request, role)
+        request = kit.without_messages(request)  # the bulk of a request, which parsers need only a count of
         config = RequestConfig(
             key=key,
             request=request,
@@ -214,12 +237,19 @@ class ParserDerenderService:
             role=role,
             skip_special_tokens=bool(request.skip_special_tokens),
             top_logprobs=request.top_logprobs if request.top_logprobs is not None else 0,
-            echo=_echo_text(request, role),
+            echo=echo,
+            size=len(request.model_dump_json(warnings=False)) + len(echo),
         )
         self._configs[key] = config
-        if len(self._configs) > _CONFIG_CACHE_SIZE:
-            self._configs.popitem(last=False)
+        self._config_bytes += config.size
+        while len(self._configs) > _CONFIG_CACHE_SIZE or self._config_bytes > self.max_request_bytes:
+            self._config_bytes -= self._configs.popitem(last=False)[1].size
         return config
+
+    @property
+    def request_bytes(self) -> int:
+        """What the cached request configurations keep, in bytes (bounded by ``max_request_bytes``)."""
+        return self._config_bytes
 
     def new_session(self, config: RequestConfig, prompt_token_ids: list[int]) -> ParserSession:
         return ParserSession(self.kit, self.model.tok, config, prompt_token_ids)
@@ -232,6 +262,7 @@ class ParserDerenderService:
     def chat_with_outcome(self, body: bytes | dict) -> tuple[bytes, SessionOutcome]:
         """The response bytes and the session-cache outcome."""
         data = load_body(body)
+        check_size(data, self.model.limits)
         request = validate_model(_CHAT, data)
         raw_chat_request = data.get("chat_request") if isinstance(data, dict) else None
         try:
@@ -342,6 +373,8 @@ class ParserDerenderService:
         state = request.stream_state or DerenderStreamState()
         prompt_ids = request.prompt_token_ids
         check_stream_chunk(chunk, len(prompt_ids), len(state.output_token_ids), self.model.limits)
+        if request.stream_state is not None:  # the window passes through this path; it must still add up
+            check_stream_window(state, self.model.tok)
         config = self.request_config(raw_chat_request if raw_chat_request is not None else request.chat_request)
         if not chunk.choices:  # usage-only: no text to parse, nothing to replay ...
             session = None
@@ -383,12 +416,13 @@ class ParserDerenderService:
     def _take(
         self, config: RequestConfig, prompt_ids: list[int], state: DerenderStreamState, stream_key: tuple[str, int]
     ) -> ParserSession | None:
+        prompt = prompt_key(prompt_ids)
         key = _digest(
-            config, prompt_ids, state.output_token_ids, state.output_chunk_lens, stream_key,
+            config, prompt, state.output_token_ids, state.output_chunk_lens, stream_key,
             state.role_sent, state.tools_streamed, state.last_tool_call_ids,
         )
         session = self.sessions.take(key)
-        if session is not None and not session.matches(prompt_ids, state):
+        if session is not None and not session.matches(prompt, state):
             return None  # a digest collision: never feed another stream's parser
         return session
 
@@ -419,7 +453,7 @@ _CHAT_REQUEST_REQUIRED = (
 
 def _digest(
     config: RequestConfig,
-    prompt_ids: list[int],
+    prompt: bytes,
     output_ids: list[int],
     chunk_lens: list[int],
     stream_key: tuple[str, int],
@@ -429,7 +463,7 @@ def _digest(
 ) -> bytes:
     """The cache key of a stream's state: what the next chunk will carry (see ``sessions.state_digest``)."""
     return state_digest(
-        config.key, prompt_ids, output_ids, chunk_lens, (*stream_key, role_sent, tools_streamed, *tool_call_ids)
+        config.key, prompt, output_ids, chunk_lens, (*stream_key, role_sent, tools_streamed, *tool_call_ids)
     )
 
 
@@ -464,7 +498,7 @@ class ChatStream:
         assert self.session is not None
         s = self.session
         return _digest(
-            self.config, s.prompt_token_ids, s.output_ids, s.chunk_lens, stream_key,
+            self.config, s.prompt_key, s.output_ids, s.chunk_lens, stream_key,
             self.role_sent, self.tools_streamed, self.tool_call_ids,
         )
 
@@ -531,9 +565,10 @@ class ChatStream:
         if finish == "stop" and self.tools_streamed and not config.named_tool_choice:
             finish = "tool_calls"
         logprobs = None
-        if choice.logprobs is not None and config.include_reasoning:
-            logprobs = _trim_top_logprobs(resolve_logprobs(choice.logprobs, self.tok, self.context), config.top_logprobs)
-        self.context = context_tail(self.context, delta_ids)
+        if choice.logprobs is not None:  # vLLM drops them here (1.13 #8); the context only serves them
+            if config.include_reasoning:
+                logprobs = _trim_top_logprobs(resolve_logprobs(choice.logprobs, self.tok, self.context), config.top_logprobs)
+            self.context = context_tail(self.context, delta_ids)
         return {
             "index": choice.index,
             "delta": msg.model_dump(),

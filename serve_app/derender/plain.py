@@ -38,12 +38,13 @@ class PlainDerender:
     def __init__(self, args: AppArgs, model: ResolvedModel) -> None:
         self.service = build_plain_service(args, model)
 
-    # Async on purpose: a chunk is tens of microseconds of work, less than a thread-pool hop.
+    # Async on purpose: a chunk is tens of microseconds of work, less than a thread-pool hop; the
+    # service moves only big requests to its worker thread, so health checks keep being answered.
     async def chat(self, body: bytes | dict) -> bytes:
-        return self.service.chat(body)
+        return await self.service.chat_async(body)
 
     async def completion(self, body: bytes | dict) -> bytes:
-        return self.service.completion(body)
+        return await self.service.completion_async(body)
 
     async def stats(self) -> dict[str, Any]:
         """What this replica process holds: heavy modules imported (should be none) and peak RSS."""

@@ -7,9 +7,11 @@ that state, so it finds the session (a hit) and only the new delta is parsed. An
 this one after an eviction, misses and replays as vLLM does, with identical output: the cache is
 an optimisation, never the source of truth.
 
-The digest is O(1) to compute (lengths, tails and flags, not every id: hashing a growing state on
+The digest covers the output by lengths, tails and flags, not every id (hashing a growing state on
 every chunk would make each chunk O(n) twice over), so the caller confirms a hit by comparing the
-full id lists it holds against the session's, a C-speed list comparison.
+full output id lists it holds against the session's, a C-speed list comparison. The prompt, sent
+whole with every chunk, enters as its own digest (:func:`prompt_key`): a session keeps that, not
+the prompt.
 
 A session is taken out of the cache while it is used, so a retried or duplicated chunk (same state
 twice) misses and replays instead of feeding one parser twice.
@@ -18,13 +20,14 @@ twice) misses and replays instead of feeding one parser twice.
 from __future__ import annotations
 
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
 from typing import Any, Generic, TypeVar
 
-__all__ = ["CacheStats", "SessionCache", "state_digest"]
+__all__ = ["CacheStats", "SessionCache", "prompt_key", "state_digest"]
 
 T = TypeVar("T")
 
@@ -32,27 +35,31 @@ T = TypeVar("T")
 _TAIL = 8
 
 
+def prompt_key(prompt_token_ids: Sequence[int]) -> bytes:
+    """A 128-bit digest of a prompt's token ids (u32, as ``protocol.TokenId`` bounds them)."""
+    return blake2b(array("I", prompt_token_ids).tobytes(), digest_size=16).digest()
+
+
 def state_digest(
     config_key: bytes,
-    prompt_token_ids: Sequence[int],
+    prompt: bytes,
     output_token_ids: Sequence[int],
     output_chunk_lens: Sequence[int],
     flags: Iterable[Any],
 ) -> bytes:
-    """A 128-bit digest of a stream state's identity: request configuration, list lengths and tails,
-    and the small flags (role sent, tool-call ids). Equal states always give equal digests; a
-    digest match is confirmed against the full lists by the caller.
+    """A 128-bit digest of a stream state's identity: request configuration, the prompt's
+    :func:`prompt_key`, output list lengths and tails, and the small flags (role sent, tool-call
+    ids). Equal states always give equal digests; a digest match is confirmed against the full
+    output lists by the caller.
     """
     parts = (
-        len(prompt_token_ids),
-        tuple(prompt_token_ids[-_TAIL:]),
         len(output_token_ids),
         tuple(output_token_ids[-_TAIL:]),
         len(output_chunk_lens),
         tuple(output_chunk_lens[-_TAIL:]),
         tuple(flags),
     )
-    return blake2b(config_key + repr(parts).encode(), digest_size=16).digest()
+    return blake2b(config_key + prompt + repr(parts).encode(), digest_size=16).digest()
 
 
 @dataclass(slots=True)
@@ -80,7 +87,7 @@ class SessionCache(Generic[T]):
 
     @property
     def tokens(self) -> int:
-        """Prompt plus output tokens held by the cached sessions (the memory bound is on this)."""
+        """Token ids held by the cached sessions, as each counts its own (the memory bound is on this)."""
         return self._tokens
 
     def take(self, key: bytes) -> T | None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from serve_app.compose import ComposedService, Stages, merge
+from serve_app.compose import ComposedService, InProcess, Stages, merge
 from serve_app.config import AppArgs
 from serve_app.derender.plain import build_plain_service
 from serve_app.errors import ApiError, BadRequestError
@@ -192,3 +192,12 @@ def test_an_engine_without_a_first_chunk_in_time_is_a_504_and_its_stream_is_clos
         asyncio.run(_service(plain, engine, [[1]], first_chunk_timeout_s=0.05).chat(body))
     assert info.value.status_code == 504
     assert engine.closed == [1]  # the engine request is cancelled, not left generating
+
+
+def test_a_colocated_plain_derender_is_awaited_through_its_async_twin(plain):
+    """InProcess (the Ingress's colocated stages) calls ``chat_async`` for ``chat``: a big request
+    decodes off the Ingress's event loop (tests/unit/test_plain_service.py shows the ordering)."""
+    stage = InProcess(plain)
+    assert stage.chat.remote == plain.chat_async and stage.completion.remote == plain.completion_async
+    body = {"generate_response": {"request_id": "r", "choices": [{"index": 0, "token_ids": HELLO}]}}
+    assert json.loads(asyncio.run(stage.chat.remote(body)))["choices"][0]["message"]["content"] == "Hello! world"

@@ -122,6 +122,16 @@ class TestFixedGaps:
         with pytest.raises(ApiError, match="exceeds max_logprobs"):
             service.chat(body)
 
+    def test_logprob_context_is_carried_only_when_logprobs_are(self, service, ids):
+        """vLLM's parser path returns the logprob fields as sent; ours also keeps the context that
+        resolves a split character in the logprobs it (unlike vLLM) streams, and only then."""
+        prompt, output = ids
+        *_, state = _stream(service, prompt, output[:6])
+        assert state["logprob_context_token_ids"] == [] and state["logprob_text_offset"] == 0
+        body = _chunk(prompt, output[:6], None)
+        body["generate_chunk"]["choices"][0]["logprobs"] = {"content": [{"token_id": t, "logprob": -1.0} for t in output[:6]]}
+        assert json.loads(service.chat(body))["stream_state"]["logprob_context_token_ids"] == output[2:6]
+
     @pytest.mark.parametrize(
         ("drop", "message"),
         [("chat_request", "chat_request is required"), ("prompt_token_ids", "prompt_token_ids is required")],
@@ -230,3 +240,115 @@ def test_invalid_chat_request_is_vllms_400(service, stream, chat_request):
     except Exception as exc:  # raised by vLLM's validators, answered by its exception handler
         theirs = api_error(exc)
     assert (ours.value.status_code, ours.value.message, ours.value.param) == (theirs.status_code, theirs.message, theirs.param)
+
+
+class TestCarriedState:
+    """The decode window the parser path passes through unread is checked as on the plain path."""
+
+    @pytest.mark.parametrize(
+        "window",
+        [
+            {"prev_tokens": ["a"], "prefix_offset": 0, "read_offset": 2},  # read past the window
+            {"prev_tokens": ["a", "b"], "prefix_offset": 2, "read_offset": 1},  # prefix past read
+            {"prev_tokens": ["not a piece!"], "prefix_offset": 0, "read_offset": 1},  # not in the vocabulary
+        ],
+    )
+    def test_a_window_that_does_not_add_up_is_the_plain_paths_400(self, service, ids, window):
+        from serve_app.derender.plain import build_plain_service
+
+        prompt, output = ids
+        *_, state = _stream(service, prompt, output[:3], finish=False)
+        body = _chunk(prompt, output[3:4], {**state, **window})
+        with pytest.raises(ApiError) as ours:
+            service.chat(body)
+        args = AppArgs(model="qwen3-tiny")
+        with pytest.raises(ApiError) as plain:
+            build_plain_service(args, args.resolve()).chat(body)
+        assert ours.value.status_code == plain.value.status_code == 400
+        assert ours.value.message == plain.value.message
+        assert ours.value.message.startswith("invalid stream_state: ")
+
+
+def _service_like(service, **cache):
+    from serve_app.derender.parser_service import ParserDerenderService
+    from serve_app.derender.sessions import SessionCache
+
+    sessions = {"max_sessions": 100, "ttl_s": 60, "max_tokens": 1_000_000} | {k: v for k, v in cache.items() if k != "max_request_bytes"}
+    return ParserDerenderService(service.model, service.kit, SessionCache(**sessions), cache.get("max_request_bytes", 32 << 20))
+
+
+def test_request_cache_is_bounded_in_bytes_and_keeps_no_conversation(service, ids):
+    import gc
+    import tracemalloc
+
+    from vllm.parser.utils import count_history_tool_calls
+
+    prompt, output = ids
+    history = [
+        {"role": "user", "content": "earlier"},
+        {"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}] * 2},
+        {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+    ]
+    bound = 20_000  # ~2 KB a request once its messages are left out
+    svc = _service_like(service, max_request_bytes=bound)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(20):  # twenty distinct ~1 MB requests
+        big = {**CHAT_REQUEST, "messages": [*history, {"role": "user", "content": f"{i} " + "x" * 1_000_000}]}
+        _whole(svc, prompt, output, chat_request=big)
+        assert svc.request_bytes <= bound
+    del big
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    configs = list(svc._configs.values())
+    assert 1 < len(configs) < 20 and svc.request_bytes == sum(c.size for c in configs)
+    assert held < 200_000  # not one request's conversation is left (each is 1 MB)
+    for config in configs:  # the parsers' view of the conversation is kept: the tool calls it made
+        assert count_history_tool_calls(config.request) == 2 and len(config.request.messages) == 1
+
+
+def _stream_chunk(request_id: str, prompt: list[int], ids: list[int], state: dict | None) -> dict:
+    body = _chunk(prompt, ids, state)
+    body["generate_chunk"]["request_id"] = request_id
+    return body
+
+
+def test_long_prompts_do_not_crowd_other_streams_out_of_the_session_cache(service, tok, ids):
+    """A session keeps a digest of its prompt, not the ids, so the token budget is spent on outputs."""
+    prompt, output = ids
+    filler = tok.encode(" lorem ipsum" * 1500)[:3000]
+    streams = [(f"long{i}", [*filler, *prompt]) for i in range(3)] + [(f"short{i}", prompt) for i in range(4)]
+    svc = _service_like(service, max_tokens=300)  # less than one long prompt
+    states: dict[str, dict | None] = dict.fromkeys(name for name, _ in streams)
+    outcomes: dict[str, list[str]] = {name: [] for name, _ in streams}
+    for start in range(0, 40, 4):  # the streams' chunks interleave
+        for name, stream_prompt in streams:
+            out, outcome = svc.chat_with_outcome(_stream_chunk(name, stream_prompt, output[start : start + 4], states[name]))
+            states[name] = json.loads(out)["stream_state"]
+            outcomes[name].append(outcome)
+            assert svc.sessions.tokens <= 300
+    assert all(o == ["new"] + ["hit"] * 9 for o in outcomes.values()), outcomes
+    assert len(svc.sessions) == len(streams) and svc.sessions.tokens == 40 * len(streams)
+
+
+def test_a_long_run_of_broken_utf8_decodes_with_bounded_work(service, ids, monkeypatch):
+    """The parser path shares the plain path's detokenizer: no quadratic re-decoding of a held-back run."""
+    prompt, output = ids
+    tok = service.model.tok
+    broken = next(i for i in range(tok.vocab_size) if tok.piece(i) == "ÿ")  # the byte 0xFF, never in UTF-8
+    garbage = output[:8] + [broken] * 2000 + output[8:]
+    decoded = [0]
+    to_string = tok.tokens_to_string
+
+    def counting(pieces: list[str]) -> str:
+        decoded[0] += len(pieces)
+        return to_string(pieces)
+
+    monkeypatch.setattr(tok, "tokens_to_string", counting)
+    whole = _whole(service, prompt, garbage)["message"]
+    chunks, _, _ = _stream(service, prompt, garbage, step=50)
+    assert decoded[0] <= 40 * 2 * len(garbage)  # vLLM: ~1000 pieces a token here
+    streamed = "".join((c["choices"][0]["delta"].get("reasoning") or "") for c in chunks)
+    assert streamed == whole["reasoning"] and whole["reasoning"].count("\ufffd") == 2000

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -177,3 +178,42 @@ def test_feed_equals_http_api(mistral_service, kind, request_field, original):
         state = http["stream_state"]
         assert {k: v for k, v in fed.items() if k != "created"} == {k: v for k, v in http["chunk"].items() if k != "created"}
         assert opened.state == state
+
+
+# --- big requests decode off the event loop (issue 12) ------------------------------------------
+
+
+def _big_completion() -> bytes:
+    """64k token ids: ~100 ms of decoding, far above OFFLOAD_WORK."""
+    choices = [{"index": i, "token_ids": list(range(1000, 5000)), "finish_reason": "length"} for i in range(16)]
+    return json.dumps(_body("completion", False, {"request_id": "big", "choices": choices})).encode()
+
+
+def test_a_small_request_decodes_inline_without_a_thread_hop(service):
+    body = json.dumps(_body("chat", False, _gen([9707, 11]))).encode()
+    coro = service.chat_async(body)
+    with pytest.raises(StopIteration) as done:  # finished on its first step: it never suspended
+        coro.send(None)
+    assert json.loads(done.value.value)["choices"][0]["message"]["content"] == service.tok.decode([9707, 11])
+
+
+def test_a_big_request_decodes_off_the_event_loop_so_a_small_one_finishes_first(service):
+    """Liveness, not speed: a small request that starts while a big one decodes completes before it."""
+    big, small = _big_completion(), json.dumps(_body("chat", False, _gen([9707]))).encode()
+
+    async def run() -> list[str]:
+        finished: list[str] = []
+
+        async def call(name: str, method, body: bytes) -> None:
+            await method(body)
+            finished.append(name)
+
+        big_call = asyncio.create_task(call("big", service.completion_async, big))
+        await asyncio.sleep(0)  # the big one is parsed, bounded and handed to the worker thread
+        assert not big_call.done()
+        await call("small", service.chat_async, small)
+        await big_call
+        return finished
+
+    assert asyncio.run(run()) == ["small", "big"]
+    assert json.loads(service.completion(big))["usage"]["completion_tokens"] == 16 * 4000  # same answer inline

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from serve_app.derender.sessions import SessionCache, state_digest
+from serve_app.derender.sessions import SessionCache, prompt_key, state_digest
 
 
 def test_take_removes_so_a_duplicated_chunk_misses():
@@ -58,18 +58,19 @@ def test_zero_sessions_turns_the_cache_off():
     assert cache.take(b"k") is None
 
 
-BASE = (b"cfg", [1, 2], [3, 4], [2], (True,))
+BASE = (b"cfg", prompt_key([1, 2]), [3, 4], [2], (True,))
 
 
 @pytest.mark.parametrize(
     "other",
     [
-        (b"cfg2", [1, 2], [3, 4], [2], (True,)),  # another request configuration
-        (b"cfg", [1, 2, 0], [3, 4], [2], (True,)),  # another prompt
-        (b"cfg", [1, 2], [3, 5], [2], (True,)),  # another output
-        (b"cfg", [1, 2], [3, 4], [1, 1], (True,)),  # same output, other chunk boundaries
-        (b"cfg", [1, 2], [3, 4], [2], (False,)),  # another flag
-        (b"cfg", [1], [2, 3, 4], [3], (True,)),  # same ids, moved between prompt and output
+        (b"cfg2", prompt_key([1, 2]), [3, 4], [2], (True,)),  # another request configuration
+        (b"cfg", prompt_key([1, 2, 0]), [3, 4], [2], (True,)),  # another prompt
+        (b"cfg", prompt_key([2, 1]), [3, 4], [2], (True,)),  # the same ids in another order
+        (b"cfg", prompt_key([1, 2]), [3, 5], [2], (True,)),  # another output
+        (b"cfg", prompt_key([1, 2]), [3, 4], [1, 1], (True,)),  # same output, other chunk boundaries
+        (b"cfg", prompt_key([1, 2]), [3, 4], [2], (False,)),  # another flag
+        (b"cfg", prompt_key([1]), [2, 3, 4], [3], (True,)),  # same ids, moved between prompt and output
     ],
 )
 def test_digest_covers_every_part_of_the_state(other):

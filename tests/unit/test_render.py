@@ -1,0 +1,118 @@
+"""``serve_app.render``, in-process over vLLM's own render stack (qwen3-tiny, no Ray): a chat message
+whose role the template does not know is a 400 on every route that renders chat messages (issue 12;
+vLLM 0.32 drops it from the prompt without a word), while known roles render exactly as vLLM does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from serve_app.compose import ComposedService, Stages
+from serve_app.config import AppArgs
+from serve_app.derender.plain import build_plain_service
+from serve_app.errors import ApiError, envelope
+from serve_app.render import OPENAI_ROLES, RenderService, check_roles, template_roles
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def args() -> AppArgs:
+    return AppArgs(model="qwen3-tiny")
+
+
+@pytest.fixture(scope="module")
+def render(loop, args) -> RenderService:
+    return loop.run_until_complete(RenderService.create(args, args.resolve()))
+
+
+def _messages(role: str) -> list[dict]:
+    return [{"role": "user", "content": "hi"}, {"role": role, "content": "XYZ", "name": "f"}]
+
+
+BODIES = {  # every route that renders chat messages
+    "chat": lambda role: {"messages": _messages(role)},
+    "tokenize": lambda role: {"messages": _messages(role)},
+    "messages": lambda role: {"model": "qwen3-tiny", "max_tokens": 5, "messages": [{"role": role, "content": "XYZ"}]},
+    "responses": lambda role: {"input": [{"role": role, "content": "XYZ"}]},
+}
+
+
+def _error(loop, call) -> dict:
+    with pytest.raises(ApiError) as got:
+        loop.run_until_complete(call)
+    status, body = envelope(got.value)
+    assert status == 400 == body["error"]["code"], body
+    return body["error"]
+
+
+@pytest.mark.parametrize("method", sorted(BODIES))
+def test_an_unknown_role_is_a_400_on_every_route_that_renders_messages(render, loop, method):
+    error = _error(loop, getattr(render, method)(json.dumps(BODIES[method]("foo")).encode()))
+    if method in ("chat", "tokenize"):  # vLLM takes any role here; the others type theirs (schema 400s)
+        assert error == {
+            "message": "Unsupported message role 'foo' in messages[1]. Expected one of: "
+            "assistant, developer, function, system, tool, user.",
+            "type": "BadRequestError",
+            "param": "messages",
+            "code": 400,
+        }
+
+
+@pytest.mark.parametrize("role", sorted(OPENAI_ROLES))
+def test_known_roles_render_exactly_as_vllm(render, loop, role):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest
+
+    body = {"messages": _messages(role)}
+    state = render.state
+    theirs = loop.run_until_complete(
+        state.serving_render.render_chat_request(ChatCompletionRequest.model_validate(body), SimpleNamespace(headers={}))
+    )
+    ours = json.loads(loop.run_until_complete(render.chat(json.dumps(body).encode())))
+    assert ours["token_ids"] == theirs.token_ids
+    their_tokens = loop.run_until_complete(
+        state.serving_tokenization.create_tokenize(TokenizeChatRequest.model_validate(body), SimpleNamespace(headers={}))
+    )
+    assert json.loads(loop.run_until_complete(render.tokenize(json.dumps(body).encode()))) == their_tokens.model_dump()
+
+
+def test_the_composed_chat_refuses_it_before_the_engine(render, loop, args):
+    async def no_engine(*_):
+        raise AssertionError("the engine must not be reached")
+
+    plain = build_plain_service(args, args.resolve())
+    stages = Stages(render.chat, render.completion, no_engine, no_engine)  # type: ignore[arg-type]
+    composed = ComposedService(stages, plain, plain, eos_token_id=None)
+    for stream in (False, True):
+        error = _error(loop, composed.chat({"messages": _messages("foo"), "stream": stream}))
+        assert error["message"].startswith("Unsupported message role 'foo' in messages[1].")
+
+
+class TestTemplateRoles:
+    def test_a_builtin_template_names_only_openai_roles(self, model_dirs: dict[str, Path]):
+        for name in ("qwen3-tiny", "deepseek-v4", "mistral-sp"):
+            template = json.loads((model_dirs[name] / "tokenizer_config.json").read_text())["chat_template"]
+            assert template_roles([template]) == OPENAI_ROLES
+
+    def test_roles_a_template_dispatches_on_are_known(self):
+        llama3 = """{%- if messages[0]['role'] == 'system' %}{%- elif message.role == "tool" or message.role == "ipython" %}
+        {%- if message['role'] not in ['observation', "user"] %}{{ '<|start_header_id|>' + message['role'] }}"""
+        roles = template_roles([llama3])
+        assert roles == OPENAI_ROLES | {"ipython", "observation"}
+        check_roles([{"role": "ipython", "content": "42"}], roles)
+        with pytest.raises(ApiError, match="Unsupported message role 'foo' in messages\\[0\\]"):
+            check_roles([{"role": "foo", "content": "42"}], roles)
+
+    def test_a_hostile_template_is_scanned_in_one_pass(self):
+        # Unclosed lists and strings after every "role ==": each is read a bounded way, not to the end.
+        assert template_roles(["role == [" * 20000, "role == 'x" * 20000]) >= OPENAI_ROLES
