@@ -27,8 +27,11 @@ def merge_options(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[s
             merged[key] = merge_options(merged[key], value)
         else:
             merged[key] = value
+    # Serve rejects both together: the one the user set wins over the default's other.
     if "autoscaling_config" in overrides and "num_replicas" not in overrides:
-        merged.pop("num_replicas", None)  # Serve rejects both together
+        merged.pop("num_replicas", None)
+    if "num_replicas" in overrides and "autoscaling_config" not in overrides:
+        merged.pop("autoscaling_config", None)
     return merged
 
 
@@ -45,12 +48,16 @@ def build_app(args: AppArgs) -> Application:
         opts = merge_options(deployment.func_or_class.deployment_options(args), overrides)
         return deployment.options(**opts).bind(*bind_args, **bind_kwargs)
 
-    render = bind(Render, args.deployments.render, args, model)
-    plain = bind(PlainDerender, args.deployments.plain_derender, args, model)
-    parser = bind(ParserDerender, args.deployments.parser_derender, args, model) if args.has_parser else None
+    options = args.deployments
+    # The replicas get the args without their deployment options: those reach Serve as options, so
+    # rescaling one stage is Serve's lightweight update, not a new version of every deployment.
+    args = args.model_copy(update={"deployments": type(options)()})
+    render = bind(Render, options.render, args, model)
+    plain = bind(PlainDerender, options.plain_derender, args, model)
+    parser = bind(ParserDerender, options.parser_derender, args, model) if args.has_parser else None
     engine = None
     if args.engine.enabled:
         from serve_app.engine import Engine
 
-        engine = bind(Engine, args.deployments.engine, args, model)
-    return bind(Ingress, args.deployments.ingress, args, model, render, plain, parser, engine=engine)
+        engine = bind(Engine, options.engine, args, model)
+    return bind(Ingress, options.ingress, args, model, render, plain, parser, engine=engine)

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from serve_app.derender.stop import engine_stop_reason
 from serve_app.errors import envelope
+from serve_app.health import routable
 from serve_app.streaming import cancel_on_close, peek
 from serve_app.timeouts import within
 from serve_app.wire import stream_flag
@@ -67,6 +68,10 @@ class CompletionDerender(Protocol):
 
     def completion(self, body: bytes | dict[str, Any]) -> bytes: ...
 
+    async def completion_async(self, body: bytes | dict[str, Any]) -> bytes:
+        """``completion`` for a caller on an event loop: a big request decodes off it."""
+        ...
+
     def open_completion_stream(
         self, completion_request: dict[str, Any], prompt_token_ids: list[int], prompt_tokens: int | None = None, model: str | None = None
     ) -> DerenderStream: ...
@@ -86,6 +91,9 @@ class Stages:
     render_completion: Callable[[dict[str, Any], str | None], Awaitable[bytes]]
     generate: Callable[[dict[str, Any]], Awaitable[bytes]]
     generate_stream: Callable[[dict[str, Any]], AsyncIterator[dict[str, Any]]]
+    # Whether render / the engine still has a replica a waiting call can reach (None: always).
+    render_routable: Callable[[], bool] | None = None
+    engine_routable: Callable[[], bool] | None = None
 
 
 class InProcess:
@@ -96,7 +104,9 @@ class InProcess:
         self.service = service
 
     def __getattr__(self, name: str) -> Any:
-        method = getattr(self.service, name)
+        # A sync method's async twin (``chat_async``), where the service has one, decides itself
+        # what leaves the event loop (plain derender: a big request decodes in a worker thread).
+        method = getattr(self.service, f"{name}_async", None) or getattr(self.service, name)
         remote = method if inspect.iscoroutinefunction(method) else _as_coroutine(method)
         return SimpleNamespace(remote=remote)
 
@@ -127,6 +137,8 @@ async def build_composed(args: Any, model: Any, render: Any, plain_derender: Any
         render_completion=lambda body, rid: render.completion.remote(body, rid),
         generate=lambda body: engine.generate.remote(body),
         generate_stream=lambda body: cancel_on_close(generate_stream.remote(body)),
+        render_routable=routable(render),
+        engine_routable=routable(engine),
     )
     limits = args.limits
     return ComposedService(stages, chat, plain, model.eos_token_id, limits.stage_timeout_s, limits.engine_first_chunk_timeout_s)
@@ -177,21 +189,24 @@ class ComposedService:
             ApiError: render or engine rejected the request (before any chunk).
         """
         stream = stream_flag(body)
-        gen = _no_detokenize(json.loads(await within(self.stages.render_chat(body, request_id), self.render_timeout_s, "Render")))
+        rendered = await within(self.stages.render_chat(body, request_id), self.render_timeout_s, "Render", self.stages.render_routable)
+        gen = _no_detokenize(json.loads(rendered))
         prompt_ids = gen["token_ids"]
         if not stream:
-            response = json.loads(await self.stages.generate(gen))
+            response = json.loads(await within(self.stages.generate(gen), None, "Engine", self.stages.engine_routable))
             response["request_id"] = gen["request_id"]
             self._fix_stop_reason(response["choices"], gen)
-            return self.chat_derender.chat(
-                {
-                    "generate_response": response,
-                    "chat_request": body,
-                    "prompt_token_ids": prompt_ids,
-                    "prompt_tokens": len(prompt_ids),
-                }
-            )
-        _, chunks = await within(peek(self.stages.generate_stream(gen)), self.first_chunk_timeout_s, "Engine")
+            whole = {
+                "generate_response": response,
+                "chat_request": body,
+                "prompt_token_ids": prompt_ids,
+                "prompt_tokens": len(prompt_ids),
+            }
+            # Plain derender decodes a big response off this event loop; the parser path runs inline.
+            chat_async = getattr(self.chat_derender, "chat_async", None)
+            return await chat_async(whole) if chat_async is not None else self.chat_derender.chat(whole)
+        first = peek(self.stages.generate_stream(gen))
+        _, chunks = await within(first, self.first_chunk_timeout_s, "Engine", self.stages.engine_routable)
         return self._chat_chunks(body, gen, chunks)
 
     async def _chat_chunks(
@@ -218,17 +233,19 @@ class ComposedService:
     async def completion(self, body: dict[str, Any], request_id: str | None = None) -> bytes | AsyncIterator[dict[str, Any]]:
         """``/v1/completions``: every prompt rendered, generated concurrently, derendered together."""
         stream = stream_flag(body)
-        rendered = await within(self.stages.render_completion(body, request_id), self.render_timeout_s, "Render")
+        rendering = self.stages.render_completion(body, request_id)
+        rendered = await within(rendering, self.render_timeout_s, "Render", self.stages.render_routable)
         gens = [_no_detokenize(g) for g in json.loads(rendered)]
         if not stream:
-            responses = await _gather_or_cancel([self.stages.generate(g) for g in gens])
+            generated = _gather_or_cancel([self.stages.generate(g) for g in gens])
+            responses = await within(generated, None, "Engine", self.stages.engine_routable)
             parsed = []
             for gen, raw in zip(gens, responses, strict=True):
                 response = json.loads(raw)
                 response["request_id"] = _base_id(gens, gen)
                 self._fix_stop_reason(response["choices"], gen)
                 parsed.append(response)
-            return self.completion_derender.completion(
+            return await self.completion_derender.completion_async(
                 {
                     "generate_responses": parsed,
                     "completion_request": body,
@@ -240,7 +257,7 @@ class ComposedService:
         if len(gens) > 1:  # one usage chunk for all prompts, summed here (each engine would send its own)
             gens = [{**g, "stream_options": None} for g in gens]
         streams = [self.stages.generate_stream(g) for g in gens]
-        _, merged = await within(peek(merge(streams)), self.first_chunk_timeout_s, "Engine")
+        _, merged = await within(peek(merge(streams)), self.first_chunk_timeout_s, "Engine", self.stages.engine_routable)
         return self._completion_chunks(body, gens, merged, usage_wanted and len(gens) > 1)
 
     async def _completion_chunks(

@@ -12,8 +12,34 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["DeploymentHealth", "StageHealth", "fetch_serve_status"]
+__all__ = ["DeploymentHealth", "StageHealth", "fetch_serve_status", "routable", "routable_replicas"]
+
+
+def routable_replicas(handle: Any) -> int | None:
+    """How many replicas this process's router for ``handle`` can send a request to now (``None``:
+    not known yet). Zero is the state in which Serve queues a call until a replacement is RUNNING,
+    which for a replica importing vLLM takes minutes: the router drops a replica the moment a call
+    to it fails with the actor dead, seconds before the controller's status shows it. Ray 2.60's
+    router internals, read here only, and any change to them reads as "not known"."""
+    try:
+        router = handle._router._asyncio_router  # no public accessor in Ray 2.60
+        if not router.running_replicas_populated():
+            return None
+        return len(router.request_router.curr_replicas)
+    except AttributeError:
+        return None
+
+
+def routable(stage: Any) -> Callable[[], bool] | None:
+    """For :func:`serve_app.timeouts.within`: whether a call to ``stage`` can still reach a replica
+    (``None`` for a colocated stage, which always can)."""
+    if getattr(stage, "deployment_name", None) is None:
+        return None
+    return lambda: routable_replicas(stage) != 0
+
+_READY = frozenset({"HEALTHY", "UPSCALING", "DOWNSCALING"})  # Serve's DeploymentStatus values that are ready
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +87,11 @@ class StageHealth:
             self._refreshing = asyncio.get_running_loop().create_task(self.refresh())
 
     def not_ready(self) -> list[str]:
-        """``name (STATUS)`` for each deployment that is not HEALTHY."""
+        """``name (STATUS)`` for each deployment that is neither HEALTHY nor autoscaling (UPSCALING,
+        DOWNSCALING: Serve's own application status stays RUNNING then, and every replica it has runs)."""
         if self._deployments is None:
             return [f"{self.app_name} (not deployed)"]
-        return sorted(f"{name} ({d.status})" for name, d in self._deployments.items() if d.status != "HEALTHY")
+        return sorted(f"{name} ({d.status})" for name, d in self._deployments.items() if d.status not in _READY)
 
     def down(self, deployment: str) -> bool:
         """True when the last answer showed ``deployment`` with no RUNNING replica (unknown: not down)."""

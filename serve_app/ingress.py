@@ -26,7 +26,7 @@ from serve_app.auth import ApiKeyMiddleware
 from serve_app.compose import ComposedService, InProcess, build_composed
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import ApiError, ServiceUnavailableError, envelope, error_body, validation_error
-from serve_app.health import StageHealth
+from serve_app.health import StageHealth, routable, routable_replicas
 from serve_app.limits import BodySizeLimitMiddleware
 from serve_app.metrics import CONTENT_TYPE_LATEST, HttpMetrics, MetricsMiddleware
 from serve_app.streaming import cancel_on_close, sse_response, sse_stream
@@ -160,6 +160,9 @@ class Ingress:
             "max_ongoing_requests": 256,
             "max_queued_requests": 512,  # per proxy: past it the front door answers 503
             "ray_actor_options": {"num_cpus": 0.5},
+            # A replica being scaled down or replaced stops taking requests and lets its open
+            # streams (composed generations: often tens of seconds) finish for up to this long.
+            "graceful_shutdown_timeout_s": 120,
         }
 
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
@@ -189,6 +192,9 @@ class Ingress:
         # Chat derender goes through vLLM's parsers exactly when the server has one configured,
         # as in vLLM; completions derender never parses.
         self.chat_derender: Any = parser_derender if args.has_parser else plain_derender
+        self.parser_derender = parser_derender if args.has_parser else None  # its cache stats reach /metrics
+        self._replica = serve.get_replica_context()
+        self._peers: Any = None  # this deployment's own handle, made at the first scrape (see /metrics)
         self._created = int(time.time())
         self.health = StageHealth(serve.get_replica_context().app_name)
         self.engine = engine
@@ -264,7 +270,8 @@ class Ingress:
         ``limits.stage_timeout_s`` is a 504."""
         check_json_content_type(request.headers.get("content-type"))
         self._fail_fast(method)
-        out = await within(method.remote(await request.body(), *extra), self.args.limits.stage_timeout_s, "the stage")
+        call = method.remote(await request.body(), *extra)
+        out = await within(call, self.args.limits.stage_timeout_s, "the stage", routable(method))
         return Response(out, media_type="application/json")
 
     def _fail_fast(self, stage: Any) -> None:
@@ -273,7 +280,7 @@ class Ingress:
         if name is None:
             return
         self.health.refresh_soon()
-        if self.health.down(name):
+        if self.health.down(name) or routable_replicas(stage) == 0:
             raise ServiceUnavailableError(f"{name} has no running replica; retry later.")
 
     async def _to_render(self, request: Request, method: RenderMethod) -> Response:
@@ -290,7 +297,8 @@ class Ingress:
         session_id = request.headers.get("x-session-id") or stream_id(body)
         self._fail_fast(self.chat_derender)
         handle = self.chat_derender.options(session_id=session_id) if session_id else self.chat_derender
-        out, outcome, _ = await within(handle.chat_traced.remote(body), self.args.limits.stage_timeout_s, "ParserDerender")
+        limit = self.args.limits.stage_timeout_s
+        out, outcome, _ = await within(handle.chat_traced.remote(body), limit, "ParserDerender", routable(handle))
         metrics.parser_sessions.labels(outcome).inc()
         if outcome == "miss":
             metrics.replayed_chunks.inc()
@@ -342,9 +350,10 @@ class Ingress:
         headers = forwarded_headers(request.headers)
         self._fail_fast(engine)
         if not stream_flag(data):
-            out = await engine.generate.remote(data if isinstance(data, dict) else raw, headers)
+            out = await within(engine.generate.remote(data if isinstance(data, dict) else raw, headers), None, "Engine", routable(engine))
             return Response(out, media_type="application/json")
-        return await sse_response(cancel_on_close(self._engine_sse.remote(data, headers)))
+        frames = cancel_on_close(self._engine_sse.remote(data, headers))
+        return await within(sse_response(frames), self.args.limits.engine_first_chunk_timeout_s, "Engine", routable(engine))
 
     async def _abort(self, request: Request) -> Response:
         engine = self._require_engine()
@@ -427,4 +436,39 @@ class Ingress:
 
     @api.get("/metrics")
     async def prometheus(self) -> Response:
+        """Every Ingress replica's series (``replica`` label), whichever replica the scrape reached, and
+        the ParserDerender replicas' session caches (serve_app/metrics.py)."""
+        replicas, caches = await asyncio.gather(self._ingress_families(), self._session_cache_stats())
+        metrics.set_replicas(replicas)
+        if self.parser_derender is not None:
+            metrics.set_session_caches(caches, self.args.parser_sessions.max_tokens)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def metric_families(self) -> tuple[str, list[Any]]:
+        """By handle: this replica's id and its own metric families, for the replica answering a scrape."""
+        return self._replica.replica_id.unique_id, metrics.families()
+
+    async def _ingress_families(self) -> dict[str, list[Any]]:
+        """Every Ingress replica's families by replica id (one call each, 2 s at most); this replica's
+        own always, the others' when they answer in time."""
+        own = await self.metric_families()
+        try:
+            if self._peers is None:
+                self._peers = serve.get_deployment_handle(self._replica.deployment, self._replica.app_name)
+            answers = await self._peers.broadcast("metric_families").results_async(timeout_s=2.0, return_exceptions=True)
+        except Exception as exc:
+            logger.info("other Ingress replicas' metrics unavailable: %s", exc)
+            answers = []
+        return dict([*(a for a in answers if isinstance(a, tuple)), own])
+
+    async def _session_cache_stats(self) -> list[Any] | None:
+        """Every ParserDerender replica's ``stats()`` (an exception in place of a replica that failed),
+        asked at scrape time: one call per replica, 2 s at most; ``None`` when they could not be asked.
+        A scrape never fails because a stage is down."""
+        if self.parser_derender is None:
+            return None
+        try:
+            return await self.parser_derender.broadcast("stats").results_async(timeout_s=2.0, return_exceptions=True)
+        except Exception as exc:
+            logger.info("session-cache stats unavailable: %s", exc)
+            return None

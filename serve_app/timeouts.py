@@ -1,34 +1,58 @@
-"""Deadlines on calls to other stages: a stage that does not answer becomes a 504, never a hang.
+"""Deadlines on calls to other stages: a stage that does not answer becomes a 504, and a stage left
+with no replica to route to a 503, never a hang.
 
 A request queued at a stage with no live replica (crashed, restarting, not yet scheduled) would
-otherwise wait for as long as the client does. :func:`within` bounds the wait, cancels the call
-downstream, and raises :class:`~serve_app.errors.GatewayTimeoutError` (504 in vLLM's envelope).
+otherwise wait for as long as the client does: Serve's router holds it until a replacement is
+RUNNING, minutes for a replica importing vLLM. :func:`within` bounds the wait, watches whether the
+stage can still be routed to, cancels the call downstream, and raises
+:class:`~serve_app.errors.GatewayTimeoutError` (504) or
+:class:`~serve_app.errors.ServiceUnavailableError` (503, with ``Retry-After`` at the edge).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from serve_app.errors import GatewayTimeoutError
+from serve_app.errors import GatewayTimeoutError, ServiceUnavailableError
 
-__all__ = ["within"]
+__all__ = ["ROUTABLE_POLL_S", "within"]
 
 T = TypeVar("T")
 
+ROUTABLE_POLL_S = 0.25  # how often a waiting call checks that its stage still has a replica
 
-async def within(call: Awaitable[T], timeout_s: float | None, stage: str) -> T:
-    """``await call``, for at most ``timeout_s`` seconds (``None``: no deadline)."""
-    if timeout_s is None:
+
+async def within(
+    call: Awaitable[T], timeout_s: float | None, stage: str, routable: Callable[[], bool] | None = None
+) -> T:
+    """``await call``, for at most ``timeout_s`` seconds (``None``: no deadline), and only while
+    ``routable()`` (when given) says the stage has a replica the call can reach."""
+    if timeout_s is None and routable is None:
         return await call
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    task = asyncio.ensure_future(_awaited(call))
     try:
-        return await asyncio.wait_for(_awaited(call), timeout_s)
-    except TimeoutError:
-        cancel = getattr(call, "cancel", None)
-        if cancel is not None:  # a DeploymentResponse: cancel the request at the replica too
-            cancel()
-        raise GatewayTimeoutError(f"{stage} did not answer within {timeout_s:g} s; retry later.") from None
+        while True:
+            wait = None if routable is None else ROUTABLE_POLL_S
+            if deadline is not None:
+                left = deadline - loop.time()
+                wait = left if wait is None else min(wait, left)
+            done, _ = await asyncio.wait((task,), timeout=max(wait, 0) if wait is not None else None)
+            if done:
+                return task.result()
+            if deadline is not None and loop.time() >= deadline:
+                raise GatewayTimeoutError(f"{stage} did not answer within {timeout_s:g} s; retry later.")
+            if routable is not None and not routable():
+                raise ServiceUnavailableError(f"{stage} has no running replica; retry later.")
+    finally:
+        if not task.done():
+            task.cancel()
+            cancel = getattr(call, "cancel", None)
+            if cancel is not None:  # a DeploymentResponse: cancel the request at the replica too
+                cancel()
 
 
 async def _awaited(call: Awaitable[Any]) -> Any:

@@ -16,6 +16,104 @@ BUILTINS = ("qwen3-tiny", "deepseek-v4", "mistral-sp")
 SERVE_HTTP_PORT = 8011  # not 8000, which `serve run serve_config.yaml` uses in tests/e2e
 
 
+# --- the session's footprint on the machine ----------------------------------------------------------
+#
+# The suite runs real Ray clusters and vLLM processes on a 24 GiB box, where Ray's memory monitor
+# kills workers (even the Serve controller) at 95 %. Three things keep it well under that:
+#   * `serve run serve_config.yaml` (its own cluster) runs first, before the session's cluster starts;
+#   * each session-wide app is deleted right after the last test that uses it;
+#   * the peak (the machine's memory in use, sampled every second) is printed at the end.
+
+# Session fixtures that deploy an app, by the Serve application name they deploy.
+SESSION_APPS = {"app_url": "serve_app", "plain_app_url": "plain", "colocated_app_url": "colocated", "engine_app_url": "engine_app"}
+_RUN_FIRST = "tests/e2e/test_serve_run.py"
+
+
+class _MemorySampler:
+    def __init__(self) -> None:
+        import threading
+
+        import psutil
+
+        self.total = psutil.virtual_memory().total
+        self.baseline = self._used()
+        self.peak = self.baseline
+        self.peak_test = "(before any test)"
+        self.current_test = self.peak_test
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _used() -> int:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return vm.total - vm.available
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            used = self._used()
+            if used > self.peak:
+                self.peak, self.peak_test = used, self.current_test
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+_memory: _MemorySampler | None = None
+_last_users: dict[str, list[str]] = {}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _memory
+    _memory = _MemorySampler()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not item.nodeid.startswith(_RUN_FIRST))  # stable: the rest keep their order
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    last: dict[str, str] = {}
+    for item in session.items:
+        for fixture in getattr(item, "fixturenames", ()):
+            if fixture in SESSION_APPS:
+                last[fixture] = item.nodeid
+    for fixture, nodeid in last.items():
+        _last_users.setdefault(nodeid, []).append(SESSION_APPS[fixture])
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    if _memory is not None:
+        _memory.current_test = nodeid
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Free a session-wide app's replicas once no later test needs it."""
+    apps = _last_users.get(item.nodeid)
+    import ray
+
+    if apps and ray.is_initialized():
+        from ray import serve
+
+        for name in apps:
+            if name in serve.status().applications:
+                serve.delete(name)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _memory is None:
+        return
+    _memory.stop()
+    gib = 1 << 30
+    terminalreporter.write_line(
+        f"memory in use on this machine: peak {_memory.peak / gib:.1f} GiB of {_memory.total / gib:.1f} GiB "
+        f"(at start {_memory.baseline / gib:.1f} GiB), during {_memory.peak_test}"
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

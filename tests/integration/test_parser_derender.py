@@ -113,11 +113,14 @@ def _joined(chunks: list[dict]) -> dict:
 
 
 def _session_counts(base_url: str) -> dict[str, float]:
-    text = httpx.get(f"{base_url}/metrics").text
-    counts = {}
-    for outcome in ("hit", "miss", "new", "none"):
-        m = re.search(rf'serve_app_parser_session_chunks_total\{{outcome="{outcome}"\}} ([0-9.e+]+)', text)
-        counts[outcome] = float(m.group(1)) if m else 0.0
+    """Chunks by session-cache outcome, summed over Ingress replicas (the ``replica`` label)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = dict.fromkeys(("hit", "miss", "new", "none"), 0.0)
+    for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics").text):
+        for s in family.samples:
+            if s.name == "serve_app_parser_session_chunks_total" and s.labels.get("outcome") in counts:
+                counts[s.labels["outcome"]] += s.value
     return counts
 
 

@@ -55,7 +55,11 @@ def test_serve_config_fits_the_machine_at_max_replicas_with_room_to_replace_one(
     at_max = sum(n * cpus for n, cpus in deployments.values())
     largest = max(cpus for _, cpus in deployments.values())
     assert at_max + largest <= MACHINE_CPUS, deployments
-    assert deployments["Ingress"][0] >= 2  # no single point of failure at the front
+    # No single point of failure in the stages that hold streams.
+    assert deployments["Ingress"][0] >= 2
+    parser = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["deployments"]
+    (parser_options,) = [d for d in parser if d["name"] == "ParserDerender"]
+    assert parser_options["autoscaling_config"]["min_replicas"] >= 2
 
 
 def test_every_deployment_bounds_its_queue():

@@ -55,6 +55,26 @@ class TestBuilder:
         )
         assert merged == {"autoscaling_config": {"max_replicas": 4}, "ray_actor_options": {"num_cpus": 2, "memory": 5}}
 
+    def test_fixed_replicas_replace_a_default_autoscaling_config(self, model_dirs):
+        """``num_replicas: 2`` on an autoscaled-by-default stage (Serve rejects both at once)."""
+        merged = merge_options({"autoscaling_config": {"max_replicas": 4}, "max_ongoing_requests": 8}, {"num_replicas": 2})
+        assert merged == {"num_replicas": 2, "max_ongoing_requests": 8}
+        app = build_app(AppArgs(reasoning_parser="qwen3", deployments={"parser_derender": {"num_replicas": 2}}))
+        parser = app._bound_deployment.init_args[4]
+        assert parser._bound_deployment._deployment_config.num_replicas == 2
+        assert parser._bound_deployment._deployment_config.autoscaling_config is None
+
+    def test_rescaling_a_stage_leaves_every_deployments_args_unchanged(self, model_dirs):
+        """Deployment options reach Serve as options, not in the replicas' args: a new replica count
+        is Serve's lightweight update, not a new version (and a restart) of every deployment."""
+        one = build_app(AppArgs(reasoning_parser="qwen3", deployments={"parser_derender": {"num_replicas": 1}}))
+        two = build_app(AppArgs(reasoning_parser="qwen3", deployments={"parser_derender": {"num_replicas": 2}}))
+        args_one, args_two = one._bound_deployment.init_args[0], two._bound_deployment.init_args[0]
+        assert args_one == args_two and args_one.deployments == AppArgs().deployments
+        parsers = [app._bound_deployment.init_args[4]._bound_deployment for app in (one, two)]
+        assert [p._deployment_config.num_replicas for p in parsers] == [1, 2]
+        assert parsers[0].init_args[0] == parsers[1].init_args[0]
+
     def test_bound_app_carries_merged_options(self, model_dirs):
         app = build_app(AppArgs(deployments={"ingress": {"max_ongoing_requests": 7}}))
         config = app._bound_deployment._deployment_config

@@ -57,3 +57,29 @@ def test_a_stage_with_no_running_replica_fails_fast():
         assert got.value.status_code == 503 and "ParserDerender" in got.value.message
 
     asyncio.run(run())
+
+
+def test_autoscaling_deployments_are_ready_as_in_serves_own_application_status():
+    # Serve reports the application RUNNING while a deployment autoscales; a readiness probe must not
+    # take every pod out of service on each scale event (deploy/kuberay/rayservice.yaml).
+    controller = Controller(
+        {
+            "Ingress": DeploymentHealth("UPSCALING", 2),
+            "ParserDerender": DeploymentHealth("DOWNSCALING", 3),
+            "Engine": DeploymentHealth("UNHEALTHY", 1),
+            "Render": DeploymentHealth("UPDATING", 1),
+        }
+    )
+    health = StageHealth("app", controller, ttl_s=60)
+    asyncio.run(health.refresh())
+    assert health.not_ready() == ["Engine (UNHEALTHY)", "Render (UPDATING)"]
+
+
+def test_routable_replicas_is_unknown_before_a_handle_routes():
+    """A handle that has not routed yet has no router view: unknown, so nothing fails fast on it."""
+    from ray.serve.handle import DeploymentHandle
+
+    from serve_app.health import routable_replicas
+
+    assert routable_replicas(DeploymentHandle("Engine", "serve_app")) is None
+    assert routable_replicas(object()) is None

@@ -47,3 +47,40 @@ def test_an_answer_in_time_passes_through_and_none_means_no_deadline():
         return await within(answer(), 1, "x"), await within(answer(), None, "x")
 
     assert asyncio.run(run()) == ("ok", "ok")
+
+
+def test_a_call_whose_stage_loses_its_last_replica_is_a_503_at_once_and_is_cancelled():
+    """Serve's router would hold the call until a replacement runs; ``routable`` turning false ends it."""
+    call = SlowCall()
+    replicas = [1]
+
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.1, replicas.clear)  # the replica dies while the call waits
+        start = loop.time()
+        with pytest.raises(ApiError) as got:
+            await within(call, None, "Engine", routable=lambda: bool(replicas))
+        status, body = envelope(got.value)
+        assert status == 503 and body["error"]["type"] == "ServiceUnavailableError" and "Engine" in body["error"]["message"]
+        return loop.time() - start
+
+    assert asyncio.run(run()) < 2
+    assert call.cancelled
+
+
+def test_a_routable_call_runs_to_its_answer_and_a_cancelled_caller_cancels_it():
+    async def answer() -> str:
+        await asyncio.sleep(0.6)  # past a few routable polls
+        return "ok"
+
+    async def run() -> bool:
+        assert await within(answer(), None, "x", routable=lambda: True) == "ok"
+        slow = SlowCall()
+        waiter = asyncio.ensure_future(within(slow, 60, "x", routable=lambda: True))
+        await asyncio.sleep(0.05)
+        waiter.cancel()  # the client went away
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        return slow.cancelled
+
+    assert asyncio.run(run())

@@ -1,0 +1,349 @@
+"""Faults on a real cluster: a replica of each stream-holding stage SIGKILLed mid-stream, and
+scale-downs with streams open. The client does what the README's failure-modes table tells it to
+(retry the same chunk or request on 503 after ``Retry-After``, retry a stream cut without
+``[DONE]``), and every output equals a clean run's.
+
+One app, deleted after the module: two Ingress replicas (render and plain derender colocated), two
+ParserDerender replicas, and the engine with the scripted-output logits processor, so generation is
+deterministic whatever the batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from serve_app.testing.payloads import MINIMAL_WEATHER_TOOLS as TOOLS
+from tests.conftest import ENGINE_KV_CACHE_BYTES, QWEN3_PARSER_ARGS, SCRIPTED_LOGITS_PROCESSOR, deploy_app
+
+APP = "faults"
+CHAT_REQUEST = {"messages": [{"role": "user", "content": "Weather in Paris and Tokyo?"}], "tools": TOOLS}
+OUTPUT = (
+    "<think>\nThe user wants the weather in two cities, so I call the tool twice.\n</think>\n\n"
+    "Checking both cities now.\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京"}}\n</tool_call>'
+)
+# A composed stream long enough (~2 s of CPU generation) to be cut, or drained, mid-way.
+LONG_ANSWER = "<think>\nTwo cities.\n</think>\n\n" + "The weather in Paris is mild, and in 東京 it rains 🌧. " * 40
+
+
+def _deploy(ingress_replicas: int = 2, parser_replicas: int = 2) -> str:
+    return deploy_app(
+        APP,
+        f"/{APP}",
+        model="qwen3-tiny",
+        **QWEN3_PARSER_ARGS,
+        colocate_in_ingress=["render", "plain_derender"],
+        engine={"enabled": True, "kv_cache_memory_bytes": ENGINE_KV_CACHE_BYTES, "logits_processors": [SCRIPTED_LOGITS_PROCESSOR]},
+        deployments={"ingress": {"num_replicas": ingress_replicas}, "parser_derender": {"num_replicas": parser_replicas}},
+    )
+
+
+@pytest.fixture(scope="module")
+def app(serve_instance, model_dirs) -> Iterator[str]:
+    from ray import serve
+
+    yield _deploy()
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dirs):
+    return AutoTokenizer.from_pretrained(model_dirs["qwen3-tiny"])
+
+
+@pytest.fixture(scope="module")
+def parser_inputs(app, tok) -> tuple[list[int], list[int]]:
+    with httpx.Client(base_url=app, timeout=60) as c:
+        prompt = c.post("/v1/chat/completions/render", json=CHAT_REQUEST).json()["token_ids"]
+    return prompt, tok.encode(OUTPUT) + [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+# --- cluster helpers --------------------------------------------------------------------------------
+
+
+def _running(deployment: str) -> int:
+    from ray import serve
+
+    return serve.status().applications[APP].deployments[deployment].replica_states.get("RUNNING", 0)
+
+
+def _wait_healthy(app_url: str, timeout_s: float = 300) -> None:
+    """Until /ready: every deployment of the app HEALTHY again (a killed replica replaced)."""
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{app_url}/ready", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, httpx.get(f"{app_url}/ready", timeout=10).text
+        time.sleep(1)
+
+
+def _replica_pids(deployment: str) -> dict[str, int]:
+    """Replica unique id -> process id, for the live replicas of ``deployment``."""
+    import ray
+
+    # The GCS actor table (the state API needs the dashboard, which the test cluster does not run).
+    prefix = f"SERVE_REPLICA::{APP}#{deployment}#"
+    actors = ray._private.state.actors().values()
+    return {a["Name"][len(prefix) :]: a["Pid"] for a in actors if a["State"] == "ALIVE" and a["Name"].startswith(prefix)}
+
+
+def _sigkill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+# --- client side: what the failure-modes table tells a client to do ---------------------------------
+
+
+def _post_retrying(c: httpx.Client, path: str, body: dict, deadline_s: float = 120) -> tuple[httpx.Response, int]:
+    """POST until it is not a 503; each 503 must be in the envelope with Retry-After. Returns the
+    answer and how many 503s came first."""
+    deadline = time.monotonic() + deadline_s
+    unavailable = 0
+    while True:
+        r = c.post(path, json=body)
+        if r.status_code != 503:
+            return r, unavailable
+        unavailable += 1
+        assert r.json()["error"]["code"] == 503 and int(r.headers["retry-after"]) > 0, r.text
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.5)
+
+
+def _chunk_body(request_id: str, ids: list[int], last: bool, state, prompt: list[int]) -> dict:
+    return {
+        "stream": True,
+        "generate_chunk": {
+            "request_id": request_id,
+            "choices": [{"index": 0, "token_ids": ids, "finish_reason": "stop" if last else None}],
+        },
+        "stream_state": state,
+        "chat_request": CHAT_REQUEST,
+        "prompt_token_ids": prompt,
+    }
+
+
+def _normalize(obj: dict) -> dict:
+    """Drop what legitimately differs between two runs: timestamps, response ids, tool-call ids."""
+    text = json.dumps({k: v for k, v in obj.items() if k not in ("created", "id")})
+    return json.loads(re.sub(r"chatcmpl-tool-[0-9a-f]+", "chatcmpl-tool-X", text))
+
+
+def _parser_stream(base: str, rid: str, prompt: list[int], output: list[int], on_chunk=None) -> tuple[list[dict], int]:
+    """One parser-derender stream over HTTP, one token per chunk, each 503 retried with the same chunk."""
+    chunks, state, unavailable = [], None, 0
+    with httpx.Client(base_url=base, timeout=60) as c:
+        for i, tid in enumerate(output):
+            if on_chunk is not None:
+                on_chunk(i)
+            r, n = _post_retrying(c, "/v1/chat/completions/derender", _chunk_body(rid, [tid], i == len(output) - 1, state, prompt))
+            assert r.status_code == 200, r.text
+            unavailable += n
+            state = r.json()["stream_state"]
+            chunks.append(_normalize(r.json()["chunk"]))
+    return chunks, unavailable
+
+
+def _composed_body(tok, answer: str) -> dict:
+    script = tok.encode(answer) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    return {
+        "model": "qwen3-tiny",
+        "messages": CHAT_REQUEST["messages"],
+        "stream": True,
+        "max_tokens": len(script) + 8,
+        "vllm_xargs": {"scripted_output": script},
+    }
+
+
+def _composed_stream(base: str, body: dict, on_frame=None) -> tuple[list[dict], bool]:
+    """A streamed /v1/chat/completions: the frames before ``[DONE]`` and whether ``[DONE]`` came.
+    A cut connection is an incomplete stream, not an exception."""
+    frames: list[dict] = []
+    try:
+        with httpx.Client(base_url=base, timeout=60) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                return [{"status": r.status_code, "body": r.json(), "retry_after": r.headers.get("retry-after")}], False
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    return frames, True
+                frames.append(json.loads(line[6:]))
+                if on_frame is not None:
+                    on_frame(len(frames))
+    except httpx.TransportError:
+        pass
+    return frames, False
+
+
+def _joined(frames: list[dict]) -> dict:
+    """What a client assembles from a composed stream. Chunk boundaries are not compared: under load
+    the engine merges the tokens of several steps into one chunk, as vLLM's does."""
+    deltas = [f["choices"][0] for f in frames if f.get("choices")]
+    return {
+        "role": deltas[0]["delta"].get("role") if deltas else None,
+        "content": "".join(d["delta"].get("content") or "" for d in deltas),
+        "reasoning": "".join(d["delta"].get("reasoning") or "" for d in deltas),
+        "token_ids": [t for f in frames for t in (f.get("choices") or [{}])[0].get("token_ids") or ()],
+        "finish_reason": [d["finish_reason"] for d in deltas if d.get("finish_reason")],
+        "errors": [f for f in frames if "error" in f],
+    }
+
+
+# --- SIGKILL mid-stream -------------------------------------------------------------------------------
+
+
+def test_parser_replica_killed_mid_stream_retried_chunk_continues_identically(app, parser_inputs):
+    """The ParserDerender replica holding a stream's live parser is SIGKILLed half-way: the next chunk
+    is a fast 503 or goes straight to the other replica, which replays the carried state; every
+    chunk equals a clean run's."""
+    from ray import serve
+
+    prompt, output = parser_inputs
+    clean, unavailable = _parser_stream(app, "clean", prompt, output)
+    assert unavailable == 0
+    # The replica the consistent-hash ring gives this stream (the Ingress keys on the request id).
+    handle = serve.get_deployment_handle("ParserDerender", app_name=APP)
+    probe = _chunk_body("killed", output[:1], False, None, prompt)
+    _, _, replica = handle.options(session_id="killed").chat_traced.remote(probe).result()
+    pid = _replica_pids("ParserDerender")[replica]
+    half = len(output) // 2
+    killed_at: list[float] = []
+
+    def kill_half_way(i: int) -> None:
+        if i == half:
+            _sigkill(pid)
+            killed_at.append(time.monotonic())
+
+    faulted, _ = _parser_stream(app, "killed", prompt, output, on_chunk=kill_half_way)
+    assert killed_at, "the replica was not killed"
+    assert faulted == clean
+    _wait_healthy(app)
+    assert _running("ParserDerender") == 2 and replica not in _replica_pids("ParserDerender")
+
+
+def test_ingress_replica_killed_mid_composed_stream_retry_is_identical(app, tok):
+    """Composed streams are derendered in the Ingress: SIGKILL one Ingress replica while streams are
+    open on both. A stream it served is cut (no ``[DONE]``); retried, it runs on the other replica,
+    and every stream's final output equals a clean run's."""
+    body = _composed_body(tok, LONG_ANSWER)
+    clean, done = _composed_stream(app, body)
+    assert done
+    victim = next(iter(_replica_pids("Ingress").values()))
+    opened = threading.Barrier(4 + 1)
+    results: list[tuple[list[dict], bool]] = []
+
+    def on_frame(n: int) -> None:
+        if n == 2:
+            opened.wait(timeout=120)
+
+    def client() -> tuple[list[dict], bool]:
+        return _composed_stream(app, body, on_frame)
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(client) for _ in range(4)]
+        opened.wait(timeout=120)  # four streams are open: two per replica with power-of-two routing
+        _sigkill(victim)
+        results = [f.result() for f in futures]
+    cut = [frames for frames, done in results if not done]
+    wanted = _joined(clean)
+    assert wanted["content"] and wanted["finish_reason"] == ["stop"] and not wanted["errors"]
+    for frames, done in results:
+        got = _joined(frames)
+        assert got == wanted if done else wanted["content"].startswith(got["content"]), (got, wanted)
+    for _ in cut:  # the client's retry
+        frames, done = _composed_stream(app, body)
+        assert done and _joined(frames) == _joined(clean)
+    assert cut, "no stream ran on the killed replica"
+    _wait_healthy(app)
+
+
+def test_engine_killed_mid_composed_stream_fails_fast_then_retry_is_identical(app, tok):
+    """SIGKILL the Engine replica mid-stream: the open stream ends with vLLM's in-band error frame
+    (not a hang), requests while it is replaced are fast 503s with Retry-After, and the retried
+    request, once the engine is back, equals a clean run."""
+    body = _composed_body(tok, LONG_ANSWER)
+    clean, done = _composed_stream(app, body)
+    assert done
+    (pid,) = _replica_pids("Engine").values()
+
+    def kill_at_third(n: int) -> None:
+        if n == 3:
+            _sigkill(pid)
+
+    frames, done = _composed_stream(app, body, kill_at_third)
+    assert done and "error" in frames[-1], frames[-3:]  # in-band error, then [DONE]
+    assert frames[-1]["error"]["code"] in (500, 503), frames[-1]
+    # While the replacement starts: 503 + Retry-After, each answered at once.
+    start = time.monotonic()
+    first, _ = _composed_stream(app, body)
+    assert time.monotonic() - start < 10
+    assert first[0].get("status") == 503 and first[0]["retry_after"], first[:1]
+    deadline = time.monotonic() + 300
+    while True:  # what the failure-modes table says: a 503, or an in-band error, is retried
+        frames, done = _composed_stream(app, body)
+        if done and not _joined(frames)["errors"]:
+            break
+        unavailable = frames[0].get("status") == 503 if not done else frames[-1]["error"]["code"] == 503
+        assert unavailable and time.monotonic() < deadline, frames[-1:]
+        time.sleep(1)
+    assert _joined(frames) == _joined(clean)
+    _wait_healthy(app)
+
+
+# --- drain: scale-down with streams open ----------------------------------------------------------
+
+
+def test_scale_down_with_streams_open_loses_nothing(app, tok, parser_inputs):
+    """Ingress 2 -> 1 and ParserDerender 2 -> 1 while composed streams and parser streams are open:
+    a replica going away finishes what it holds (Ingress: graceful_shutdown_timeout_s), parser
+    streams continue on the survivor (replaying their carried state), and every output equals a
+    clean run's without a single error."""
+    prompt, output = parser_inputs
+    clean_parser, _ = _parser_stream(app, "drain-clean", prompt, output)
+    body = _composed_body(tok, LONG_ANSWER)
+    clean_composed, done = _composed_stream(app, body)
+    assert done
+    assert _running("Ingress") == 2 and _running("ParserDerender") == 2
+    opened = threading.Barrier(4 + 1)
+    stop = threading.Event()
+
+    def on_frame(n: int) -> None:
+        if n == 2:
+            opened.wait(timeout=120)
+
+    def parser_client(n: int) -> list[tuple[list[dict], int]]:
+        runs = []
+        while not stop.is_set():
+            runs.append(_parser_stream(app, f"drain-{n}-{len(runs)}", prompt, output))
+        return runs
+
+    with ThreadPoolExecutor(6) as pool:
+        parsers = [pool.submit(parser_client, n) for n in range(2)]
+        composed = [pool.submit(_composed_stream, app, body, on_frame) for _ in range(4)]
+        opened.wait(timeout=120)
+        _deploy(ingress_replicas=1, parser_replicas=1)
+        deadline = time.monotonic() + 180
+        while (_running("Ingress"), _running("ParserDerender")) != (1, 1):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        stop.set()
+        composed_results = [f.result() for f in composed]
+        parser_runs = [run for f in parsers for run in f.result()]
+    for frames, done in composed_results:
+        assert done and _joined(frames) == _joined(clean_composed)
+    assert parser_runs
+    for chunks, unavailable in parser_runs:
+        assert chunks == clean_parser and unavailable == 0
+    _deploy()  # back to two of each for whatever runs next
+    _wait_healthy(app)
