@@ -58,6 +58,11 @@ class ChatDerender(Protocol):
 
     def chat(self, body: bytes | dict[str, Any]) -> bytes: ...
 
+    async def chat_async(self, body: bytes | dict[str, Any]) -> bytes:
+        """``chat`` for a caller on an event loop: heavy work (a big response to decode, a long
+        output to parse) runs off it."""
+        ...
+
     def open_chat_stream(
         self, chat_request: dict[str, Any], prompt_token_ids: list[int], prompt_tokens: int | None = None, model: str | None = None
     ) -> DerenderStream: ...
@@ -202,9 +207,8 @@ class ComposedService:
                 "prompt_token_ids": prompt_ids,
                 "prompt_tokens": len(prompt_ids),
             }
-            # Plain derender decodes a big response off this event loop; the parser path runs inline.
-            chat_async = getattr(self.chat_derender, "chat_async", None)
-            return await chat_async(whole) if chat_async is not None else self.chat_derender.chat(whole)
+            # A big response decodes (and, with parsers, parses) off this event loop.
+            return await self.chat_derender.chat_async(whole)
         first = peek(self.stages.generate_stream(gen))
         _, chunks = await within(first, self.first_chunk_timeout_s, "Engine", self.stages.engine_routable)
         return self._chat_chunks(body, gen, chunks)

@@ -51,13 +51,15 @@ class ParserDerender:
         self.service = await build_parser_service(args, model)
         self.replica = serve.get_replica_context().replica_id.unique_id
 
-    # Async on purpose: a cache hit is well under a millisecond of work, less than a thread-pool hop.
+    # Async on purpose: a cache hit is well under a millisecond of work, less than a thread-pool hop,
+    # and runs inline; the service's async twins move the heavy cases (a long non-streaming output,
+    # a miss that replays a long history) to a worker thread so the replica's other streams go on.
     async def chat(self, body: bytes | dict) -> bytes:
-        return self.service.chat(body)
+        return await self.service.chat_async(body)
 
     async def chat_traced(self, body: bytes | dict) -> tuple[bytes, str, str]:
         """``chat`` plus what the ingress's metrics need: the session-cache outcome and this replica."""
-        out, outcome = self.service.chat_with_outcome(body)
+        out, outcome = await self.service.chat_with_outcome_async(body)
         return out, outcome, self.replica
 
     async def stats(self) -> dict[str, Any]:

@@ -14,14 +14,30 @@ differs, and why (``vllm-0.32-behaviour.md`` 1.13; README "Compatibility notes")
   ``include_reasoning: false`` also hides logprobs and token ids, ``parallel_tool_calls: false``
   applies in non-streaming, the request's ``prompt_token_ids`` reach the non-streaming parser,
   logprobs are kept (and size-checked) on the streaming path, and a usage-only chunk replays nothing.
+
+Callers on an event loop (the ``ParserDerender`` replica, the Ingress's composed chat) use
+``chat_async`` / ``chat_with_outcome_async``: the cheap part of a request (parsing, checks, the
+session lookup) runs inline, and the heavy part, a non-streaming answer over a long output or a
+stream chunk that misses the cache and replays a long carried history, in the derender worker
+thread (:data:`~serve_app.derender.plain_service.OFFLOAD_EXECUTOR`), so the other streams on the
+loop keep turning. A cache hit never leaves the loop: its work is the new delta, less than the hop.
+Two threads may thus parse at once, never with one session (a session is out of the cache while
+in use); what they share is locked (the session and request caches) or read-only: vLLM's tokenizer
+as the parsers use it (``get_vocab``, cached by vLLM; ``decode``, ``convert_tokens_to_ids``;
+``encode`` in a few parsers, without truncation or padding, so transformers leaves the Rust
+tokenizer's settings alone) and ours
+(:class:`~serve_app.derender.tokenizer.DetokTokenizer`: lookups, Rust ``decode``, and a memo of
+one-piece decodes whose entries both threads would write alike).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from hashlib import blake2b
 from typing import Any, Literal
@@ -38,6 +54,7 @@ from serve_app.derender.checks import (
 )
 from serve_app.derender.detokenize import detokenize_delta, seed_window
 from serve_app.derender.logprobs import context_tail, resolve_logprobs
+from serve_app.derender.plain_service import OFFLOAD_WORK, run_off_loop
 from serve_app.derender.responses import chat_chunk, chat_response, stream_state, stream_usage, usage
 from serve_app.derender.sessions import SessionCache, prompt_key, state_digest
 from serve_app.derender.stop import StopTokens
@@ -60,6 +77,12 @@ _STREAM_CHUNK = TypeAdapter(GenerateTokensStreamResponse)
 _CONFIG_CACHE_SIZE = 1024
 _MAX_REQUEST_BYTES = 32 << 20  # the default of serve_app.config.ParserSessionArgs.max_request_bytes
 _FINISHED = -1  # the choice index under which a finished stream's session waits for its usage chunk
+# What replaying one carried token costs (a parse_delta call per chunk, its decode, the parser's
+# Python), in units of OFFLOAD_WORK's (a token decoded, ~2 us). Measured with qwen3 + hermes:
+# ~12 us a token carried in one-token chunks, 4-5 us in chunks of 4-16 (vLLM's replay: 112 ms at
+# 4000 tokens). So a miss replays in the worker thread from OFFLOAD_WORK // _REPLAY_COST = 512
+# carried tokens (~5-10 ms of work) on; counted in tokens alone, a 4000-token replay would stay inline.
+_REPLAY_COST = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +193,15 @@ def _trim_top_logprobs(logprobs: dict[str, Any], keep: int) -> dict[str, Any]:
     return logprobs
 
 
+def _json_size(model: Any) -> int:
+    """A cached request's JSON length, what the byte bound counts. A lone surrogate in a string
+    (valid JSON, which pydantic will not encode as UTF-8) is counted as its escape instead."""
+    try:
+        return len(model.model_dump_json(warnings=False))
+    except ValueError:  # PydanticSerializationError
+        return len(json.dumps(model.model_dump(warnings=False), default=str))
+
+
 def _echo_text(request: Any, role: str) -> str:
     """``vllm serve``'s echo: the last message's text when it has the response's role."""
     if not request.echo or not request.messages:
@@ -198,6 +230,8 @@ class ParserDerenderService:
         self.sessions = cache
         self._configs: OrderedDict[bytes, RequestConfig] = OrderedDict()  # LRU, bounded in entries and bytes
         self._config_bytes = 0
+        # The loop thread and the worker thread both look configurations up and file them.
+        self._configs_lock = threading.Lock()
         self.max_request_bytes = max_request_bytes
 
     # --- per-request configuration ---------------------------------------------------------------
@@ -206,10 +240,12 @@ class ParserDerenderService:
         """Validate and derive once per distinct ``chat_request``; later chunks hit by content hash."""
         raw = chat_request if isinstance(chat_request, dict) else chat_request.model_dump()
         key = blake2b(json.dumps(raw, sort_keys=True, default=str).encode(), digest_size=16).digest()
-        config = self._configs.get(key)
-        if config is not None:
-            self._configs.move_to_end(key)
-            return config
+        with self._configs_lock:
+            config = self._configs.get(key)
+            if config is not None:
+                self._configs.move_to_end(key)
+                return config
+        # Built outside the lock: two threads that miss on one request at once build equal configurations.
         kit = self.kit
         try:
             request = kit.ChatCompletionRequest.model_validate(raw)
@@ -238,12 +274,16 @@ class ParserDerenderService:
             skip_special_tokens=bool(request.skip_special_tokens),
             top_logprobs=request.top_logprobs if request.top_logprobs is not None else 0,
             echo=echo,
-            size=len(request.model_dump_json(warnings=False)) + len(echo),
+            size=_json_size(request) + len(echo),
         )
-        self._configs[key] = config
-        self._config_bytes += config.size
-        while len(self._configs) > _CONFIG_CACHE_SIZE or self._config_bytes > self.max_request_bytes:
-            self._config_bytes -= self._configs.popitem(last=False)[1].size
+        with self._configs_lock:
+            old = self._configs.pop(key, None)
+            if old is not None:  # filed meanwhile by the other thread
+                self._config_bytes -= old.size
+            self._configs[key] = config
+            self._config_bytes += config.size
+            while len(self._configs) > _CONFIG_CACHE_SIZE or self._config_bytes > self.max_request_bytes:
+                self._config_bytes -= self._configs.popitem(last=False)[1].size
         return config
 
     @property
@@ -263,10 +303,48 @@ class ParserDerenderService:
         """The response bytes and the session-cache outcome."""
         data = load_body(body)
         check_size(data, self.model.limits)
+        return self._chat_data(data)
+
+    async def chat_async(self, body: bytes | dict) -> bytes:
+        """:meth:`chat` for a caller on an event loop (see :meth:`chat_with_outcome_async`)."""
+        return (await self.chat_with_outcome_async(body))[0]
+
+    async def chat_with_outcome_async(self, body: bytes | dict) -> tuple[bytes, SessionOutcome]:
+        """:meth:`chat_with_outcome` for a caller on an event loop: the same bytes, with the heavy part
+        in the derender worker thread. That is a non-streaming request of ``OFFLOAD_WORK`` output
+        tokens and logprob entries or more (everything after the size check, as plain derender), or
+        a stream chunk whose session lookup missed and must replay a long carried history (the
+        checks and the lookup run here first: a hit's delta parses inline, whatever the history)."""
+        data = load_body(body)
+        check_size(data, self.model.limits)
+        if not (isinstance(data, dict) and data.get("stream") is True):
+            if _output_work(data.get("generate_response") if isinstance(data, dict) else None) >= OFFLOAD_WORK:
+                return await run_off_loop(self._chat_data, data)
+            return self._chat_data(data)
+        request = validate_model(_CHAT, data)
+        if not isinstance(request, DerenderChatStreamRequest):  # not reached: stream is a Literal[True]
+            return self._chat_data(data)
+        with self._vllm_400(data):
+            opened = self._open_chunk(request, data.get("chat_request"))
+        work = opened.replay_tokens * _REPLAY_COST + _output_work(data.get("generate_chunk"))
+        if work >= OFFLOAD_WORK:
+            chunk, state, outcome = await run_off_loop(self._answer_chunk, opened)
+        else:
+            chunk, state, outcome = self._answer_chunk(opened)
+        return _chunk_bytes(chunk, state), outcome
+
+    def _chat_data(self, data: Any) -> tuple[bytes, SessionOutcome]:
+        """A parsed, size-checked body to the response bytes and the session-cache outcome."""
         request = validate_model(_CHAT, data)
         raw_chat_request = data.get("chat_request") if isinstance(data, dict) else None
-        try:
+        with self._vllm_400(data):
             return self._chat(request, raw_chat_request)
+
+    @contextmanager
+    def _vllm_400(self, data: Any) -> Iterator[None]:
+        """A ``chat_request`` that fails vLLM's validation is answered with the 400 vLLM's derender gives."""
+        try:
+            yield
         except _InvalidChatRequest as exc:
             validate_model(self.kit.derender_chat_adapter, data)  # raises vLLM's exact 400
             raise exc.error from None
@@ -274,8 +352,7 @@ class ParserDerenderService:
     def _chat(self, request: Any, raw_chat_request: Any) -> tuple[bytes, SessionOutcome]:
         if isinstance(request, DerenderChatStreamRequest):
             chunk, state, outcome = self.chat_stream(request, raw_chat_request)
-            # The state is the bulk of the bytes (every output id) and holds no floats.
-            return b'{"chunk":' + dump_json(chunk) + b',"stream_state":' + dump_json_floatless(state) + b"}", outcome
+            return _chunk_bytes(chunk, state), outcome
         return self._chat_whole(request, raw_chat_request), "none"
 
     def _chat_whole(self, request: Any, raw_chat_request: Any) -> bytes:
@@ -360,6 +437,10 @@ class ParserDerenderService:
         self, request: DerenderChatStreamRequest, raw_chat_request: Any = None
     ) -> tuple[dict[str, Any], dict[str, Any], SessionOutcome]:
         """One streaming chunk over HTTP: (chunk, stream_state, cache outcome)."""
+        return self._answer_chunk(self._open_chunk(request, raw_chat_request))
+
+    def _open_chunk(self, request: DerenderChatStreamRequest, raw_chat_request: Any) -> _OpenChunk:
+        """A chunk's cheap part: its checks, its request configuration and its session lookup."""
         model = self.model.model_name(request.model)
         if request.chat_request is None:
             raise BadRequestError(_CHAT_REQUEST_REQUIRED)
@@ -378,27 +459,36 @@ class ParserDerenderService:
         config = self.request_config(raw_chat_request if raw_chat_request is not None else request.chat_request)
         if not chunk.choices:  # usage-only: no text to parse, nothing to replay ...
             session = None
+            replay = False
             if chunk.usage is not None and self.kit.has_reasoning_parser and state.output_token_ids:
                 # ... except vllm serve's reasoning-token count, which asks the stream's own parser.
-                session = self._take(config, prompt_ids, state, (chunk.request_id, _FINISHED)) or self._replay(
-                    config, prompt_ids, state
-                )
-            stream = ChatStream.resume(self, config, model, request.prompt_tokens, session, state)
-            return stream.step(chunk), stream.state(), "none"
+                session = self._take(config, prompt_ids, state, (chunk.request_id, _FINISHED))
+                replay = session is None
+            return _OpenChunk(request, config, model, prompt_ids, state, session, replay, None, "none")
         # Which stream this is: n>1 choices (or two identical requests) can carry equal states.
         stream_key = (chunk.request_id, chunk.choices[0].index)
         outcome: SessionOutcome
         session = self._take(config, prompt_ids, state, stream_key)
         if session is not None:
             outcome = "hit"
-            self.sessions.stats.hits += 1
+            self.sessions.count_hit()
         else:
             outcome = "miss" if state.output_token_ids else "new"
             if outcome == "miss":
-                self.sessions.stats.misses += 1
-                self.sessions.stats.replayed_tokens += len(state.output_token_ids)
-            session = self._replay(config, prompt_ids, state)
-        stream = ChatStream.resume(self, config, model, request.prompt_tokens, session, state)
+                self.sessions.count_miss(len(state.output_token_ids))
+        return _OpenChunk(request, config, model, prompt_ids, state, session, session is None, stream_key, outcome)
+
+    def _answer_chunk(self, opened: _OpenChunk) -> tuple[dict[str, Any], dict[str, Any], SessionOutcome]:
+        """A chunk's parsing, after :meth:`_open_chunk`: the replay a miss needs (O(history)), the
+        delta, and the session filed for the next chunk. Runs on one thread at a time per session:
+        the session was taken out of the cache (or is new) and goes back only at the end."""
+        o = opened
+        session = self._replay(o.config, o.prompt_ids, o.state) if o.replay else o.session
+        stream = ChatStream.resume(self, o.config, o.model, o.request.prompt_tokens, session, o.state)
+        chunk = o.request.generate_chunk
+        if o.stream_key is None:  # usage-only
+            return stream.step(chunk), stream.state(), o.outcome
+        assert session is not None
         try:
             out_chunk, out_state = stream.step(chunk), stream.state()
         except ApiError:
@@ -406,12 +496,13 @@ class ParserDerenderService:
         except Exception:  # as vLLM: a carried state the parser chokes on is the caller's 400
             logger.info("invalid stream_state: derender failed", exc_info=True)
             raise BadRequestError("invalid stream_state: derender failed") from None
+        stream_key = o.stream_key
         if chunk.choices[0].finish_reason is not None:
             # A finished parser is never fed again; it is kept (apart from live streams) only for
             # the usage chunk that may follow.
             stream_key = (chunk.request_id, _FINISHED)
         self.sessions.put(stream.key(stream_key), session, session.tokens)
-        return out_chunk, out_state, outcome
+        return out_chunk, out_state, o.outcome
 
     def _take(
         self, config: RequestConfig, prompt_ids: list[int], state: DerenderStreamState, stream_key: tuple[str, int]
@@ -443,6 +534,51 @@ class ParserDerenderService:
         config = self.request_config(chat_request)
         session = self.new_session(config, list(prompt_token_ids))
         return ChatStream.resume(self, config, self.model.model_name(model), prompt_tokens, session, DerenderStreamState())
+
+
+@dataclass(slots=True)
+class _OpenChunk:
+    """A stream chunk after :meth:`ParserDerenderService._open_chunk`: checked, configured, looked up."""
+
+    request: DerenderChatStreamRequest
+    config: RequestConfig
+    model: str
+    prompt_ids: list[int]
+    state: DerenderStreamState
+    session: ParserSession | None  # a hit (or, usage-only, the finished stream's session)
+    replay: bool  # no session: one is built from the carried history first (a miss, or a new stream)
+    stream_key: tuple[str, int] | None  # None: a usage-only chunk, whose session is not filed again
+    outcome: SessionOutcome
+
+    @property
+    def replay_tokens(self) -> int:
+        """The carried output tokens a replay feeds through a fresh parser (its cost grows with them)."""
+        return len(self.state.output_token_ids) if self.replay else 0
+
+
+def _chunk_bytes(chunk: dict[str, Any], state: dict[str, Any]) -> bytes:
+    # The state is the bulk of the bytes (every output id) and holds no floats.
+    return b'{"chunk":' + dump_json(chunk) + b',"stream_state":' + dump_json_floatless(state) + b"}"
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _output_work(gen: Any) -> int:
+    """A raw generate response's (or chunk's) output token ids plus logprob entries, counted as
+    :func:`~serve_app.derender.checks.check_size` counts them (anything of another shape: nothing)."""
+    if not isinstance(gen, dict):
+        return 0
+    work = 0
+    for choice in _list(gen.get("choices")):
+        if not isinstance(choice, dict):
+            continue
+        work += len(_list(choice.get("token_ids")))
+        lp = choice.get("logprobs")
+        content = _list(lp.get("content")) if isinstance(lp, dict) else []
+        work += len(content) + sum(len(_list(e.get("top_logprobs"))) for e in content if isinstance(e, dict))
+    return work
 
 
 _CHAT_REQUEST_REQUIRED = (

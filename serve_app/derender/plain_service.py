@@ -20,7 +20,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import TypeAdapter
 
@@ -54,7 +54,7 @@ from serve_app.protocol import (
 )
 from serve_app.wire import dump_json, load_body, validate_model
 
-__all__ = ["OFFLOAD_WORK", "PlainDerenderService", "PlainStream"]
+__all__ = ["OFFLOAD_EXECUTOR", "OFFLOAD_WORK", "PlainDerenderService", "PlainStream", "run_off_loop"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +67,24 @@ OFFLOAD_WORK = 4096
 """Token ids plus logprob entries from which ``*_async`` decode in a worker thread (~10 ms of work
 and up, at ~2 us a token and ~7 us a logprob entry); below it, the work costs less than the hop."""
 
-# One worker: decoding holds the GIL (Python code, tokenizers' decode), so more threads would add
-# no throughput, only take more of the GIL from the event loop they are there to keep turning.
-_DECODER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plain-derender")
+# One worker, shared by every derender service in the process (plain, and the parser path's
+# ``ParserDerenderService``, which a colocated Ingress runs next to it): decoding and parsing hold
+# the GIL (Python code, tokenizers' decode, vLLM's parsers), so more threads would add no
+# throughput, only take more of the GIL from the event loop they are there to keep turning.
+OFFLOAD_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="derender")
+
+_T = TypeVar("_T")
+
+
+async def run_off_loop(work: Callable[..., _T], *args: Any) -> _T:
+    """``work(*args)`` in :data:`OFFLOAD_EXECUTOR`, awaited from the running event loop."""
+    return await asyncio.get_running_loop().run_in_executor(OFFLOAD_EXECUTOR, work, *args)
 
 
 async def _off_loop_if_big(decode: Callable[[Any], bytes], data: Any, work: int) -> bytes:
     if work < OFFLOAD_WORK:
         return decode(data)
-    return await asyncio.get_running_loop().run_in_executor(_DECODER, decode, data)
+    return await run_off_loop(decode, data)
 
 
 class PlainDerenderService:

@@ -14,11 +14,15 @@ whole with every chunk, enters as its own digest (:func:`prompt_key`): a session
 the prompt.
 
 A session is taken out of the cache while it is used, so a retried or duplicated chunk (same state
-twice) misses and replays instead of feeding one parser twice.
+twice) misses and replays instead of feeding one parser twice, and a session is only ever used by
+one thread at a time: the replica's event loop (a hit) or the derender worker thread (a long
+replay, ``ParserDerenderService.chat_async``). Both take and put sessions, so the cache's compound
+operations hold a lock (uncontended almost always: a few hundred nanoseconds).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from array import array
 from collections import OrderedDict
@@ -81,6 +85,7 @@ class SessionCache(Generic[T]):
         self.stats = CacheStats()
         self._entries: OrderedDict[bytes, tuple[float, int, T]] = OrderedDict()
         self._tokens = 0
+        self._lock = threading.Lock()  # entries, token count and stats change together
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -92,27 +97,39 @@ class SessionCache(Generic[T]):
 
     def take(self, key: bytes) -> T | None:
         """Remove and return the session filed under ``key``, if any and not expired."""
-        entry = self._entries.pop(key, None)
-        if entry is None:
-            return None
-        stamp, tokens, session = entry
-        self._tokens -= tokens
-        if time.monotonic() - stamp > self.ttl_s:
-            self.stats.expirations += 1
-            return None
-        return session
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return None
+            stamp, tokens, session = entry
+            self._tokens -= tokens
+            if time.monotonic() - stamp > self.ttl_s:
+                self.stats.expirations += 1
+                return None
+            return session
 
     def put(self, key: bytes, session: T, tokens: int) -> None:
         if self.max_sessions <= 0 or tokens > self.max_tokens:
             return
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self._tokens -= old[1]
-        self._entries[key] = (time.monotonic(), tokens, session)
-        self._tokens += tokens
-        self._evict()
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._tokens -= old[1]
+            self._entries[key] = (time.monotonic(), tokens, session)
+            self._tokens += tokens
+            self._evict()
 
-    def _evict(self) -> None:
+    def count_hit(self) -> None:
+        with self._lock:
+            self.stats.hits += 1
+
+    def count_miss(self, replayed_tokens: int) -> None:
+        """A chunk that found no session and replays ``replayed_tokens`` carried output tokens."""
+        with self._lock:
+            self.stats.misses += 1
+            self.stats.replayed_tokens += replayed_tokens
+
+    def _evict(self) -> None:  # under the lock
         now = time.monotonic()
         entries = self._entries
         # Oldest first: expired entries, then least recently used ones beyond the bounds.
@@ -129,5 +146,6 @@ class SessionCache(Generic[T]):
                 self.stats.evictions += 1
 
     def clear(self) -> None:
-        self._entries.clear()
-        self._tokens = 0
+        with self._lock:
+            self._entries.clear()
+            self._tokens = 0

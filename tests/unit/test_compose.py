@@ -201,3 +201,25 @@ def test_a_colocated_plain_derender_is_awaited_through_its_async_twin(plain):
     assert stage.chat.remote == plain.chat_async and stage.completion.remote == plain.completion_async
     body = {"generate_response": {"request_id": "r", "choices": [{"index": 0, "token_ids": HELLO}]}}
     assert json.loads(asyncio.run(stage.chat.remote(body)))["choices"][0]["message"]["content"] == "Hello! world"
+
+
+def test_composed_chat_awaits_the_chat_derenders_async_twin(plain):
+    """Non-streaming composed chat awaits ``chat_async`` (plain derender's, or the parser service's),
+    which decodes and parses a big response off the Ingress's event loop; never the sync ``chat``."""
+
+    class Derender:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def chat(self, body: dict) -> bytes:
+            raise AssertionError("the sync chat, on the event loop")
+
+        async def chat_async(self, body: dict) -> bytes:
+            self.calls += 1
+            return await plain.chat_async(body)
+
+    engine = FakeEngine({1: {"request_id": "e", "choices": [{"index": 0, "token_ids": HELLO, "finish_reason": "length"}]}})
+    service = _service(plain, engine, [[1]])
+    service.chat_derender = derender = Derender()  # type: ignore[assignment]
+    out = asyncio.run(service.chat({"messages": [{"role": "user", "content": "x"}]}))
+    assert json.loads(out)["choices"][0]["message"]["content"] == "Hello! world" and derender.calls == 1

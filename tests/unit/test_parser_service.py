@@ -309,6 +309,31 @@ def test_request_cache_is_bounded_in_bytes_and_keeps_no_conversation(service, id
         assert count_history_tool_calls(config.request) == 2 and len(config.request.messages) == 1
 
 
+def test_request_cache_is_exact_when_two_threads_fill_it(service):
+    """The loop thread (stream chunks) and the worker thread (big non-streaming requests) both look
+    configurations up and file them: the byte count and the bounds stay exact."""
+    import sys
+    import threading
+
+    svc = _service_like(service, max_request_bytes=30_000)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+
+    def fill(offset: int) -> None:
+        for i in range(150):
+            svc.request_config({**CHAT_REQUEST, "messages": [{"role": "user", "content": f"{(i + offset) % 60}"}]})
+
+    try:
+        threads = [threading.Thread(target=fill, args=(n,)) for n in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert svc.request_bytes == sum(c.size for c in svc._configs.values()) <= 30_000
+
+
 def _stream_chunk(request_id: str, prompt: list[int], ids: list[int], state: dict | None) -> dict:
     body = _chunk(prompt, ids, state)
     body["generate_chunk"]["request_id"] = request_id
@@ -352,3 +377,131 @@ def test_a_long_run_of_broken_utf8_decodes_with_bounded_work(service, ids, monke
     assert decoded[0] <= 40 * 2 * len(garbage)  # vLLM: ~1000 pieces a token here
     streamed = "".join((c["choices"][0]["delta"].get("reasoning") or "") for c in chunks)
     assert streamed == whole["reasoning"] and whole["reasoning"].count("\ufffd") == 2000
+
+
+# --- heavy parser work leaves the event loop (issue 13) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_output(tok, ids) -> list[int]:
+    """OUTPUT with a long reasoning part: ~3,000 tokens, within the model's 4,096 with the prompt."""
+    prompt, _ = ids
+    head, tail = OUTPUT.split("</think>")
+    out = tok.encode(head + "Two cities, two calls. " * 500 + "</think>" + tail) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert 2500 < len(out) and len(prompt) + len(out) <= 4096
+    return out
+
+
+def _whole_body(prompt: list[int], output: list[int], n: int = 1) -> dict:
+    choices = [{"index": i, "token_ids": output, "finish_reason": "stop"} for i in range(n)]
+    return {"generate_response": {"request_id": "g", "choices": choices}, "prompt_token_ids": prompt, "chat_request": CHAT_REQUEST}
+
+
+def _same_bytes(a: bytes, b: bytes) -> bool:
+    """Equal up to what two runs legitimately differ in: the clock and random tool-call ids."""
+    def norm(raw: bytes) -> bytes:
+        return re.sub(rb"chatcmpl-tool-[0-9a-f]+", b"chatcmpl-tool-X", re.sub(rb'"created":\d+', b'"created":0', raw))
+
+    return norm(a) == norm(b)
+
+
+@pytest.fixture()
+def off_loop(monkeypatch) -> list[tuple[str, str]]:
+    """What the service hands to the worker thread: (function, the thread it ran on)."""
+    import threading
+
+    from serve_app.derender import parser_service
+
+    calls: list[tuple[str, str]] = []
+    run_off_loop = parser_service.run_off_loop
+
+    async def spy(work, *args):
+        def traced(*a):
+            calls.append((work.__name__, threading.current_thread().name))
+            return work(*a)
+
+        return await run_off_loop(traced, *args)
+
+    monkeypatch.setattr(parser_service, "run_off_loop", spy)
+    return calls
+
+
+class TestOffLoop:
+    @pytest.mark.parametrize("offload", [True, False])
+    def test_a_hit_chunk_answers_while_a_big_request_and_a_long_replay_parse(self, service, ids, long_output, monkeypatch, offload):
+        """Liveness, not speed: a hit chunk of one stream that starts while a big non-streaming request
+        and another stream's miss (replaying ~3,000 carried tokens) are parsing completes before them.
+        With offloading off, both run to their end on the loop first: the hit waits."""
+        from serve_app.derender import parser_service
+
+        if not offload:
+            monkeypatch.setattr(parser_service, "OFFLOAD_WORK", 1 << 62)
+        svc = _service_like(service)
+        prompt, output = ids
+        *_, live = _stream(svc, prompt, output[:10], finish=False)
+        *_, carried = _stream(svc, prompt, long_output[:-1], step=256, finish=False)
+        big = _whole_body(prompt, long_output, n=4)
+        miss = _stream_chunk("elsewhere", prompt, long_output[-1:], carried)  # another stream's key: no session
+        hit = _chunk(prompt, output[10:11], live)
+
+        async def run() -> list[tuple[str, str]]:
+            finished: list[tuple[str, str]] = []
+
+            async def call(name: str, body: dict) -> None:
+                _, outcome = await svc.chat_with_outcome_async(body)
+                finished.append((name, outcome))
+
+            heavy = [asyncio.create_task(call("big", big)), asyncio.create_task(call("miss", miss))]
+            await asyncio.sleep(0)  # both are checked, looked up and (offloading) handed to the worker
+            await call("hit", hit)
+            await asyncio.gather(*heavy)
+            return finished
+
+        expected = [("big", "none"), ("miss", "miss")]
+        assert asyncio.run(run()) == ([("hit", "hit"), *expected] if offload else [*expected, ("hit", "hit")])
+
+    def test_offloaded_answers_equal_inline_ones(self, service, ids, long_output, off_loop):
+        svc = _service_like(service)
+        prompt, _ = ids
+        *_, carried = _stream(svc, prompt, long_output[:-1], step=256, finish=False)
+        usage_only = _stream_chunk("ended", prompt, [], carried)
+        usage_only["generate_chunk"] |= {"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": 9}}
+        bodies = {
+            "big": (_whole_body(prompt, long_output, n=2), "none"),
+            "miss": (_stream_chunk("elsewhere", prompt, long_output[-1:], carried), "miss"),
+            "usage-only miss": (usage_only, "none"),  # reasoning tokens: the stream's parser, replayed
+        }
+        for name, (body, outcome) in bodies.items():
+            inline = svc.chat_with_outcome(body)
+            off_loop.clear()
+            offloaded = asyncio.run(svc.chat_with_outcome_async(body))
+            assert len(off_loop) == 1 and off_loop[0][1].startswith("derender"), (name, off_loop)
+            assert inline[1] == offloaded[1] == outcome, name
+            assert _same_bytes(inline[0], offloaded[0]), name
+        assert json.loads(offloaded[0])["chunk"]["usage"]["completion_tokens_details"]["reasoning_tokens"] > 2000
+
+    def test_a_hit_chunk_parses_inline_whatever_its_history(self, service, ids, long_output, off_loop):
+        """A hit's work is its delta: it never leaves the loop, even after ~3,000 carried tokens (far
+        above OFFLOAD_WORK as the size check counts the body), nor do a new stream and a small answer."""
+        svc = _service_like(service)
+        prompt, output = ids
+        *_, state = _stream(svc, prompt, long_output[:-1], step=256, finish=False)
+        bodies = [
+            (_chunk(prompt, long_output[-1:], state, last=True), "hit"),
+            (_stream_chunk("fresh", prompt, output[:3], None), "new"),
+            (_whole_body(prompt, output), "none"),
+        ]
+        for body, outcome in bodies:
+            coro = svc.chat_with_outcome_async(body)
+            with pytest.raises(StopIteration) as done:  # finished on its first step: it never suspended
+                coro.send(None)
+            assert done.value.value[1] == outcome
+        assert off_loop == []
+
+
+def test_a_lone_surrogate_in_the_chat_request_is_no_500(service, ids):
+    """Valid JSON (``"\\ud800"``) that UTF-8 cannot encode: the request cache's byte count copes."""
+    prompt, output = ids
+    chat_request = {**CHAT_REQUEST, "messages": [{"role": "user", "content": "hi", "name": "\ud800"}], "user": "\udfff"}
+    message = _whole(service, prompt, output, chat_request=chat_request)["message"]
+    assert message["tool_calls"] and message["reasoning"]

@@ -76,3 +76,33 @@ BASE = (b"cfg", prompt_key([1, 2]), [3, 4], [2], (True,))
 def test_digest_covers_every_part_of_the_state(other):
     assert state_digest(*BASE) == state_digest(*BASE)
     assert state_digest(*other) != state_digest(*BASE)
+
+
+def test_the_loop_and_the_worker_thread_can_share_the_cache():
+    """ParserDerenderService takes and files sessions from the event loop (hits) and from its worker
+    thread (long replays) at once: the token count and the bounds stay exact."""
+    import sys
+    import threading
+
+    cache: SessionCache[int] = SessionCache(max_sessions=50, ttl_s=60, max_tokens=400)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as CPython allows: races show up quickly
+
+    def churn(offset: int) -> None:
+        for i in range(20_000):
+            key = bytes([offset, i % 97])
+            if cache.take(key) is None:
+                cache.put(key, i, tokens=1 + i % 13)
+            if i % 5 == 0:
+                cache.put(bytes([2, i % 7]), i, tokens=3)  # keys both threads use
+
+    try:
+        threads = [threading.Thread(target=churn, args=(n,)) for n in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    held = [cache._entries[k][1] for k in cache._entries]
+    assert cache.tokens == sum(held) <= 400 and len(held) <= 50
