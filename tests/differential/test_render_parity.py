@@ -11,6 +11,10 @@ Three differences are intended and asserted exactly, nothing looser:
   tokens-only engine's EngineCore then dies on it); serve_app answers vLLM's own out-of-vocabulary
   400 (``param: prompt``). Cases in ``REJECTED_OUT_OF_VOCAB``.
 
+* A chat message with a role neither OpenAI's nor the chat template's: vLLM hands it to the template,
+  which drops it from the prompt without a word (or fails in its own words); serve_app answers a 400
+  naming it (``param: messages``). Cases in ``REJECTED_UNKNOWN_ROLE``.
+
 * ``sampling_params.max_tokens``: vLLM 0.32 drops it when it equals 16 (msgspec ``omit_defaults``);
   serve_app always emits it. Where vLLM's answer lacks the key, ours must carry ``16`` and
   otherwise be equal.
@@ -125,6 +129,7 @@ def assert_same_error(ours: httpx.Response, ref: httpx.Response) -> None:
 
 
 REJECTED_OUT_OF_VOCAB = {"cmpl-out-of-vocab-ids"}
+REJECTED_UNKNOWN_ROLE = {"chat-unknown-role"}
 
 
 @pytest.mark.parametrize(("model", "case"), PARAMS)
@@ -145,6 +150,11 @@ def test_render_matches_vllm(request: pytest.FixtureRequest, http: httpx.Client,
         error = ours.json()["error"]
         assert (ours.status_code, error["param"], error["type"]) == (400, "prompt", "BadRequestError")
         assert "is out of vocabulary" in error["message"]
+        return
+    if case.id in REJECTED_UNKNOWN_ROLE:
+        error = ours.json()["error"]
+        assert (ours.status_code, error["param"], error["type"]) == (400, "messages", "BadRequestError")
+        assert error["message"].startswith("Unsupported message role 'wizard' in messages[0].")
         return
 
     if ref.status_code != 200:

@@ -24,7 +24,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from serve_app.testing.payloads import MINIMAL_WEATHER_TOOLS as TOOLS
-from tests.conftest import ENGINE_KV_CACHE_BYTES, QWEN3_PARSER_ARGS, SCRIPTED_LOGITS_PROCESSOR, deploy_app
+from tests.conftest import ENGINE_KV_CACHE_BYTES, QWEN3_PARSER_ARGS, SCRIPTED_LOGITS_PROCESSOR, SERVE_HTTP_PORT
 
 APP = "faults"
 CHAT_REQUEST = {"messages": [{"role": "user", "content": "Weather in Paris and Tokyo?"}], "tools": TOOLS}
@@ -39,22 +39,34 @@ LONG_ANSWER = "<think>\nTwo cities.\n</think>\n\n" + "The weather in Paris is mi
 
 
 def _deploy(ingress_replicas: int = 2, parser_replicas: int = 2) -> str:
-    return deploy_app(
-        APP,
-        f"/{APP}",
-        model="qwen3-tiny",
-        **QWEN3_PARSER_ARGS,
-        colocate_in_ingress=["render", "plain_derender"],
-        engine={"enabled": True, "kv_cache_memory_bytes": ENGINE_KV_CACHE_BYTES, "logits_processors": [SCRIPTED_LOGITS_PROCESSOR]},
-        deployments={"ingress": {"num_replicas": ingress_replicas}, "parser_derender": {"num_replicas": parser_replicas}},
-    )
+    """Deploy as an operator does (``serve deploy``): a declarative config, whose replica counts are
+    Serve's lightweight updates. (``serve.run`` of a Python-built app is a new code version each
+    time: every replica, the engine's too, would be replaced.)"""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    def fixed(n: int) -> dict:
+        return {"autoscaling_config": {"min_replicas": n, "max_replicas": n, "initial_replicas": n, "downscale_delay_s": 0}}
+
+    engine = {"enabled": True, "kv_cache_memory_bytes": ENGINE_KV_CACHE_BYTES, "logits_processors": [SCRIPTED_LOGITS_PROCESSOR]}
+    app = {
+        "name": APP,
+        "route_prefix": f"/{APP}",
+        "import_path": "serve_app.app:build_app",
+        "args": {"model": "qwen3-tiny", **QWEN3_PARSER_ARGS, "colocate_in_ingress": ["render", "plain_derender"], "engine": engine},
+        "deployments": [{"name": "Ingress", "num_replicas": ingress_replicas}, {"name": "ParserDerender", **fixed(parser_replicas)}],
+    }
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+    return f"http://127.0.0.1:{SERVE_HTTP_PORT}/{APP}"
 
 
 @pytest.fixture(scope="module")
 def app(serve_instance, model_dirs) -> Iterator[str]:
     from ray import serve
 
-    yield _deploy()
+    url = _deploy()
+    _wait_healthy(url, timeout_s=600)
+    yield url
     serve.delete(APP)
 
 
@@ -80,10 +92,17 @@ def _running(deployment: str) -> int:
 
 
 def _wait_healthy(app_url: str, timeout_s: float = 300) -> None:
-    """Until /ready: every deployment of the app HEALTHY again (a killed replica replaced)."""
+    """Until /ready: every deployment of the app HEALTHY again (a killed replica replaced). While the
+    app is first deploying, the proxy holds the probe: that is a time-out, not an answer."""
     deadline = time.monotonic() + timeout_s
-    while httpx.get(f"{app_url}/ready", timeout=10).status_code != 200:
-        assert time.monotonic() < deadline, httpx.get(f"{app_url}/ready", timeout=10).text
+    while True:
+        try:
+            ready = httpx.get(f"{app_url}/ready", timeout=10)
+            if ready.status_code == 200:
+                return
+        except httpx.TransportError as exc:
+            ready = exc  # type: ignore[assignment]
+        assert time.monotonic() < deadline, ready
         time.sleep(1)
 
 
