@@ -20,13 +20,17 @@ SERVE_HTTP_PORT = 8011  # not 8000, which `serve run serve_config.yaml` uses in 
 #
 # The suite runs real Ray clusters and vLLM processes on a 24 GiB box, where Ray's memory monitor
 # kills workers (even the Serve controller) at 95 %. Three things keep it well under that:
-#   * `serve run serve_config.yaml` (its own cluster) runs first, before the session's cluster starts;
-#   * each session-wide app is deleted right after the last test that uses it;
+#   * the tests that start clusters of their own (`serve run serve_config.yaml`, the multi-node
+#     autoscaling scenario) run first, before the session's cluster starts;
+#   * test modules run grouped by the session-wide app they need (the engine app's users, then the
+#     plain app's, then the colocated app's, then the rest), and each such app is deleted right after
+#     the last test that uses it, so few are up at once;
 #   * the peak (the machine's memory in use, sampled every second) is printed at the end.
 
 # Session fixtures that deploy an app, by the Serve application name they deploy.
 SESSION_APPS = {"app_url": "serve_app", "plain_app_url": "plain", "colocated_app_url": "colocated", "engine_app_url": "engine_app"}
-_RUN_FIRST = "tests/e2e/test_serve_run.py"
+_RUN_FIRST = ("tests/e2e/test_serve_run.py", "tests/integration/test_multinode_autoscaling.py")
+_GROUPED = ("engine_app_url", "plain_app_url", "colocated_app_url")  # in this order, before the rest
 
 
 class _MemorySampler:
@@ -71,8 +75,20 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _memory = _MemorySampler()
 
 
+def _phase(item: pytest.Item) -> int:
+    if item.nodeid.startswith(_RUN_FIRST):
+        return 0
+    fixtures = getattr(item, "fixturenames", ())
+    return next((1 + i for i, name in enumerate(_GROUPED) if name in fixtures), 1 + len(_GROUPED))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: not item.nodeid.startswith(_RUN_FIRST))  # stable: the rest keep their order
+    # Whole modules move (their module fixtures are set up once); the sort is stable within a phase.
+    module_phase: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        module_phase[module] = min(module_phase.get(module, _phase(item)), _phase(item))
+    items.sort(key=lambda item: module_phase[item.nodeid.split("::", 1)[0]])
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
