@@ -26,6 +26,7 @@ __all__ = [
     "check_size",
     "check_stream_chunk",
     "check_stream_window",
+    "output_work",
 ]
 
 
@@ -149,6 +150,24 @@ def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
+def _choice_counts(choice: Any) -> tuple[int, int]:
+    """A raw choice's token ids and logprob entries (sampled plus top candidates); another shape: none."""
+    if not isinstance(choice, dict):
+        return 0, 0
+    lp = choice.get("logprobs")
+    content = _list(lp.get("content")) if isinstance(lp, dict) else []
+    logprobs = len(content) + sum(len(_list(e.get("top_logprobs"))) for e in content if isinstance(e, dict))
+    return len(_list(choice.get("token_ids"))), logprobs
+
+
+def output_work(gen: Any) -> int:
+    """A raw generate response's (or chunk's) output token ids plus logprob entries, counted as
+    :func:`check_size` counts them (anything of another shape: nothing)."""
+    if not isinstance(gen, dict):
+        return 0
+    return sum(sum(_choice_counts(choice)) for choice in _list(gen.get("choices")))
+
+
 def check_size(data: Any, limits: DerenderLimits) -> int:
     """Bound a derender request as a whole, on its parsed JSON, before schema validation.
 
@@ -186,12 +205,9 @@ def check_size(data: Any, limits: DerenderLimits) -> int:
         choices += len(gen_choices)
         tokens += len(_list(gen.get("prompt_token_ids")))
         for choice in gen_choices:
-            if not isinstance(choice, dict):
-                continue
-            tokens += len(_list(choice.get("token_ids")))
-            lp = choice.get("logprobs")
-            content = _list(lp.get("content")) if isinstance(lp, dict) else []
-            logprobs += len(content) + sum(len(_list(e.get("top_logprobs"))) for e in content if isinstance(e, dict))
+            choice_tokens, choice_logprobs = _choice_counts(choice)
+            tokens += choice_tokens
+            logprobs += choice_logprobs
     for count, limit, what, field in (
         (choices, limits.max_choices, "choices", "max_derender_choices"),
         (tokens, limits.max_tokens, "token_ids", "max_derender_tokens"),

@@ -51,6 +51,7 @@ from serve_app.derender.checks import (
     check_size,
     check_stream_chunk,
     check_stream_window,
+    output_work,
 )
 from serve_app.derender.detokenize import detokenize_delta, seed_window
 from serve_app.derender.logprobs import context_tail, resolve_logprobs
@@ -318,7 +319,7 @@ class ParserDerenderService:
         data = load_body(body)
         check_size(data, self.model.limits)
         if not (isinstance(data, dict) and data.get("stream") is True):
-            if _output_work(data.get("generate_response") if isinstance(data, dict) else None) >= OFFLOAD_WORK:
+            if output_work(data.get("generate_response") if isinstance(data, dict) else None) >= OFFLOAD_WORK:
                 return await run_off_loop(self._chat_data, data)
             return self._chat_data(data)
         request = validate_model(_CHAT, data)
@@ -326,7 +327,7 @@ class ParserDerenderService:
             return self._chat_data(data)
         with self._vllm_400(data):
             opened = self._open_chunk(request, data.get("chat_request"))
-        work = opened.replay_tokens * _REPLAY_COST + _output_work(data.get("generate_chunk"))
+        work = opened.replay_tokens * _REPLAY_COST + output_work(data.get("generate_chunk"))
         if work >= OFFLOAD_WORK:
             chunk, state, outcome = await run_off_loop(self._answer_chunk, opened)
         else:
@@ -559,26 +560,6 @@ class _OpenChunk:
 def _chunk_bytes(chunk: dict[str, Any], state: dict[str, Any]) -> bytes:
     # The state is the bulk of the bytes (every output id) and holds no floats.
     return b'{"chunk":' + dump_json(chunk) + b',"stream_state":' + dump_json_floatless(state) + b"}"
-
-
-def _list(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else []
-
-
-def _output_work(gen: Any) -> int:
-    """A raw generate response's (or chunk's) output token ids plus logprob entries, counted as
-    :func:`~serve_app.derender.checks.check_size` counts them (anything of another shape: nothing)."""
-    if not isinstance(gen, dict):
-        return 0
-    work = 0
-    for choice in _list(gen.get("choices")):
-        if not isinstance(choice, dict):
-            continue
-        work += len(_list(choice.get("token_ids")))
-        lp = choice.get("logprobs")
-        content = _list(lp.get("content")) if isinstance(lp, dict) else []
-        work += len(content) + sum(len(_list(e.get("top_logprobs"))) for e in content if isinstance(e, dict))
-    return work
 
 
 _CHAT_REQUEST_REQUIRED = (

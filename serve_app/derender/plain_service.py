@@ -31,6 +31,7 @@ from serve_app.derender.checks import (
     check_prompt_ids,
     check_size,
     check_stream_chunk,
+    check_stream_window,
 )
 from serve_app.derender.detokenize import DetokWindow, detokenize_delta, seed_window
 from serve_app.derender.logprobs import context_tail, resolve_logprobs, to_completion_logprobs
@@ -109,12 +110,7 @@ class PlainDerenderService:
         return DerenderStreamState(), seed_window(self.tok, ids, skip), skip, stops
 
     def _window_from_state(self, state: DerenderStreamState) -> DetokWindow:
-        # vLLM trusts the carried window; a tampered one decodes garbage or fails deep inside.
-        if state.prefix_offset > state.read_offset or state.read_offset > len(state.prev_tokens):
-            raise BadRequestError("invalid stream_state: offsets do not fit prev_tokens")
-        pieces = self.tok.piece_set
-        if any(p not in pieces and p != "" for p in state.prev_tokens):
-            raise BadRequestError("invalid stream_state: prev_tokens holds pieces outside the vocabulary")
+        check_stream_window(state, self.tok)
         return DetokWindow(list(state.prev_tokens), state.prefix_offset, state.read_offset)
 
     def _decode_delta(
