@@ -23,17 +23,10 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from serve_app.testing.payloads import MINIMAL_WEATHER_TOOLS as TOOLS
 from tests.conftest import ENGINE_KV_CACHE_BYTES, QWEN3_PARSER_ARGS, SCRIPTED_LOGITS_PROCESSOR, SERVE_HTTP_PORT
+from tests.integration.test_parser_derender import CHAT_REQUEST, OUTPUT, _chunk_body
 
 APP = "faults"
-CHAT_REQUEST = {"messages": [{"role": "user", "content": "Weather in Paris and Tokyo?"}], "tools": TOOLS}
-OUTPUT = (
-    "<think>\nThe user wants the weather in two cities, so I call the tool twice.\n</think>\n\n"
-    "Checking both cities now.\n"
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京"}}\n</tool_call>'
-)
 # A composed stream long enough (~2 s of CPU generation) to be cut, or drained, mid-way.
 LONG_ANSWER = "<think>\nTwo cities.\n</think>\n\n" + "The weather in Paris is mild, and in 東京 it rains 🌧. " * 40
 
@@ -136,19 +129,6 @@ def _post_retrying(c: httpx.Client, path: str, body: dict, deadline_s: float = 1
         assert r.json()["error"]["code"] == 503 and int(r.headers["retry-after"]) > 0, r.text
         assert time.monotonic() < deadline, r.text
         time.sleep(0.5)
-
-
-def _chunk_body(request_id: str, ids: list[int], last: bool, state, prompt: list[int]) -> dict:
-    return {
-        "stream": True,
-        "generate_chunk": {
-            "request_id": request_id,
-            "choices": [{"index": 0, "token_ids": ids, "finish_reason": "stop" if last else None}],
-        },
-        "stream_state": state,
-        "chat_request": CHAT_REQUEST,
-        "prompt_token_ids": prompt,
-    }
 
 
 def _normalize(obj: dict) -> dict:
