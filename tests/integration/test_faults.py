@@ -84,6 +84,15 @@ def _running(deployment: str) -> int:
     return serve.status().applications[APP].deployments[deployment].replica_states.get("RUNNING", 0)
 
 
+def _wait_running(deployment: str, n: int, timeout_s: float = 300) -> None:
+    """Until ``n`` replicas of ``deployment`` are RUNNING. /ready needs one routable replica per
+    stage, so it can answer 200 before the controller has even seen a killed replica die."""
+    deadline = time.monotonic() + timeout_s
+    while _running(deployment) != n:
+        assert time.monotonic() < deadline, f"{deployment}: {_running(deployment)} RUNNING, want {n}"
+        time.sleep(1)
+
+
 def _wait_healthy(app_url: str, timeout_s: float = 300) -> None:
     """Until /ready: every deployment of the app HEALTHY again (a killed replica replaced). While the
     app is first deploying, the proxy holds the probe: that is a time-out, not an answer."""
@@ -228,7 +237,8 @@ def test_parser_replica_killed_mid_stream_retried_chunk_continues_identically(ap
     assert killed_at, "the replica was not killed"
     assert faulted == clean
     _wait_healthy(app)
-    assert _running("ParserDerender") == 2 and replica not in _replica_pids("ParserDerender")
+    _wait_running("ParserDerender", 2)
+    assert replica not in _replica_pids("ParserDerender")
 
 
 def test_ingress_replica_killed_mid_composed_stream_retry_is_identical(app, tok):
@@ -313,7 +323,8 @@ def test_scale_down_with_streams_open_loses_nothing(app, tok, parser_inputs):
     body = _composed_body(tok, LONG_ANSWER)
     clean_composed, done = _composed_stream(app, body)
     assert done
-    assert _running("Ingress") == 2 and _running("ParserDerender") == 2
+    _wait_running("Ingress", 2)  # a replica killed by an earlier test may still be starting
+    _wait_running("ParserDerender", 2)
     opened = threading.Barrier(4 + 1)
     stop = threading.Event()
 
