@@ -170,13 +170,19 @@ class AppArgs(_Strict):
         None, description="vLLM --default-chat-template-kwargs, e.g. {enable_thinking: false}."
     )
     trust_request_chat_template: bool = Field(False, description="vLLM --trust-request-chat-template.")
-    colocate_in_ingress: list[Literal["render", "plain_derender"]] = Field(
+    colocate_in_ingress: list[Literal["render", "plain_derender", "parser_derender"]] = Field(
         default_factory=list,
         description=(
             "Run these stages inside each Ingress replica for HTTP traffic: one Serve hop less per "
             "request (the biggest cost on small CPUs, see bench/). HTTP then scales by Ingress "
             "replicas; 'render' makes every Ingress replica hold vLLM's renderer. The stages' own "
-            "deployments stay up for callers by handle."
+            "deployments stay up for callers by handle. 'parser_derender': whole chat derender "
+            "requests, and the chunks of streams sent with an x-session-id header, are parsed in "
+            "the Ingress, each stream's live parser kept in the replica its chunks reach. That "
+            "needs a front door hashing x-session-id (RAY_SERVE_HAPROXY_BALANCE_ALGORITHM="
+            "hdr(x-session-id), as make run sets) or one Ingress replica; otherwise chunks miss and "
+            "replay (right, but slower). Chunks without the header go to ParserDerender "
+            "(bench/results/hop.md)."
         ),
     )
     limits: RequestLimits = Field(default_factory=RequestLimits)

@@ -193,14 +193,26 @@ class Ingress:
         # as in vLLM; completions derender never parses.
         self.chat_derender: Any = parser_derender if args.has_parser else plain_derender
         self.parser_derender = parser_derender if args.has_parser else None  # its cache stats reach /metrics
+        self.engine = engine
+        self.composed = await build_composed(args, model, self.render, plain_derender, engine) if engine is not None else None
+        # Parser derender in this process (colocated): whole requests, and the chunks of streams the front
+        # door keeps on this replica by their x-session-id. The composed path's service when there is
+        # one: one session cache per replica.
+        self.local_parser: Any = None
+        if "parser_derender" in colocated and args.has_parser:
+            if self.composed is not None:
+                self.local_parser = self.composed.chat_derender
+            else:
+                from serve_app.derender.parser import build_parser_service
+
+                state = render.service.state if isinstance(render, InProcess) else None
+                self.local_parser = await build_parser_service(args, model, state)
         self._replica = serve.get_replica_context()
         self._peers: Any = None  # this deployment's own handle, made at the first scrape (see /metrics)
         self._created = int(time.time())
         self.health = StageHealth(serve.get_replica_context().app_name)
-        self.engine = engine
         self._engine_sse: Any = engine.options(stream=True, method_name="generate_sse") if engine is not None else None
         self._background: set[asyncio.Task] = set()
-        self.composed = await build_composed(args, model, self.render, plain_derender, engine) if engine is not None else None
         # Added here, not at import, because the limit is configuration.
         api.user_middleware.clear()
         api.add_middleware(BodySizeLimitMiddleware, max_bytes=args.limits.max_body_bytes)
@@ -292,17 +304,29 @@ class Ingress:
             return await self._forward(request, self.chat_derender.chat)
         check_json_content_type(request.headers.get("content-type"))
         body = await request.body()
+        header_session = request.headers.get("x-session-id")
+        session_id = header_session or stream_id(body)
+        if self.local_parser is not None and (header_session or session_id is None):
+            # Colocated: no hop. A stream's chunks reach this replica again only if the front door
+            # hashes x-session-id (config.py, colocate_in_ingress); if not, they are still right (a
+            # miss replays the carried state), only slower, and /metrics counts the misses.
+            out, outcome = await self.local_parser.chat_with_outcome_async(body)
+            self._count_session(outcome)
+            return Response(out, media_type="application/json")
         # A stream's chunks go to the replica holding its live parser: Serve's consistent-hash router
         # keys on session_id, which the proxy only sets on the first hop, so it is re-applied here.
-        session_id = request.headers.get("x-session-id") or stream_id(body)
         self._fail_fast(self.chat_derender)
         handle = self.chat_derender.options(session_id=session_id) if session_id else self.chat_derender
         limit = self.args.limits.stage_timeout_s
         out, outcome, _ = await within(handle.chat_traced.remote(body), limit, "ParserDerender", routable(handle))
+        self._count_session(outcome)
+        return Response(out, media_type="application/json")
+
+    @staticmethod
+    def _count_session(outcome: str) -> None:
         metrics.parser_sessions.labels(outcome).inc()
         if outcome == "miss":
             metrics.replayed_chunks.inc()
-        return Response(out, media_type="application/json")
 
     @api.post("/v1/completions/derender")
     async def derender_completion(self, request: Request) -> Response:

@@ -199,7 +199,7 @@ def plain_app_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
 
 @pytest.fixture(scope="session")
 def colocated_app_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
-    """The default model with Render and PlainDerender running inside the Ingress replica."""
+    """The default model with Render, PlainDerender and the parsers running inside the Ingress replica."""
     return deploy_app(
         "colocated",
         "/colocated",
@@ -207,7 +207,7 @@ def colocated_app_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
         tool_call_parser="hermes",
         reasoning_parser="qwen3",
         enable_auto_tool_choice=True,
-        colocate_in_ingress=["render", "plain_derender"],
+        colocate_in_ingress=["render", "plain_derender", "parser_derender"],
     )
 
 

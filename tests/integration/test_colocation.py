@@ -1,9 +1,13 @@
-"""Render and PlainDerender colocated in the Ingress answer exactly as the deployed stages do."""
+"""Render, PlainDerender and the parsers colocated in the Ingress answer exactly as the deployed
+stages do."""
 
 from __future__ import annotations
 
 import httpx
 from ray import serve
+from transformers import AutoTokenizer
+
+from tests.integration.test_parser_derender import CHAT_REQUEST, OUTPUT, _normalize, _stream_http
 
 MESSAGES = [{"role": "user", "content": "Hi there 🦜"}]
 
@@ -40,3 +44,46 @@ def test_colocated_stages_stay_deployed_for_handle_callers(colocated_app_url):
     render = serve.get_deployment_handle("Render", app_name="colocated")
     rendered = json.loads(render.chat.remote({"messages": MESSAGES}).result())
     assert rendered["token_ids"][-3:] == [151644, 77091, 198]
+
+
+def session_outcomes(base_url: str) -> dict[str, float]:
+    """The Ingress's parser-session counters by outcome, from /metrics."""
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    prefix = "serve_app_parser_session_chunks_total{"
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            labels, value = line[len(prefix) :].rsplit("} ", 1)
+            outcome = next(part.split("=")[1].strip('"') for part in labels.split(",") if part.startswith("outcome="))
+            out[outcome] = out.get(outcome, 0.0) + float(value)
+    return out
+
+
+def test_colocated_parser_stream_matches_parser_derender_deployment(app_url, colocated_app_url, model_dirs):
+    """A tool + reasoning stream sent with ``x-session-id`` is derendered by the Ingress's own parsers
+    (no Serve hop): chunk for chunk what the ParserDerender deployment produces, every chunk after the
+    first a hit in the Ingress's session cache (one Ingress replica: every chunk reaches it). Without
+    the header the stream goes to the ParserDerender deployment, with the same chunks."""
+    from ray import serve
+
+    tok = AutoTokenizer.from_pretrained(model_dirs["qwen3-tiny"])
+    with httpx.Client(timeout=60) as c:
+        prompt = c.post(app_url + "/v1/chat/completions/render", json=CHAT_REQUEST).json()["token_ids"]
+    output = tok.encode(OUTPUT) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    deployed = [_normalize(c) for c in _stream_http(app_url, "coloc", prompt, output)]
+    parser = serve.get_deployment_handle("ParserDerender", app_name="colocated")
+
+    def deployment_chunks() -> int:
+        return sum(s["hits"] + s["misses"] for s in parser.broadcast("stats").results(timeout_s=60))
+
+    before, deployment_before = session_outcomes(colocated_app_url), deployment_chunks()
+    local = _stream_http(colocated_app_url, "coloc", prompt, output, headers={"x-session-id": "coloc"})
+    after, deployment_after = session_outcomes(colocated_app_url), deployment_chunks()
+    assert [_normalize(c) for c in local] == deployed
+    assert any(c["choices"] and c["choices"][0]["delta"].get("tool_calls") for c in local)
+    assert after.get("hit", 0) - before.get("hit", 0) == len(output) - 1
+    assert after.get("miss", 0) == before.get("miss", 0) and deployment_after == deployment_before
+
+    forwarded = _stream_http(colocated_app_url, "coloc", prompt, output)
+    assert [_normalize(c) for c in forwarded] == deployed
+    assert deployment_chunks() - deployment_after == len(output) - 1

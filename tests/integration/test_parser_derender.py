@@ -82,9 +82,11 @@ def _normalize(chunk: dict) -> dict:
     return json.loads(re.sub(r"chatcmpl-tool-[0-9a-f]+", "chatcmpl-tool-X", text))
 
 
-def _stream_http(base_url: str, request_id: str, prompt: list[int], output: list[int], step: int = 1) -> list[dict]:
+def _stream_http(
+    base_url: str, request_id: str, prompt: list[int], output: list[int], step: int = 1, headers: dict | None = None
+) -> list[dict]:
     chunks, state = [], None
-    with httpx.Client(base_url=base_url, timeout=60) as c:
+    with httpx.Client(base_url=base_url, timeout=60, headers=headers) as c:
         for i in range(0, len(output), step):
             ids = output[i : i + step]
             r = c.post("/v1/chat/completions/derender", json=_chunk_body(request_id, ids, i + step >= len(output), state, prompt))
