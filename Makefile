@@ -23,7 +23,10 @@ $(STAMP): pyproject.toml
 
 # Ray Serve reads these at start in every Ray process: HAProxy as the front door instead of Serve's
 # Python proxy, gRPC between deployments. Together they cut the per-request cost ~2x (bench/README.md).
-SERVE_ENV := RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1
+# HAProxy hashes the x-session-id header, so a parser stream's chunks stay on the Ingress replica that
+# holds its live parser (colocate_in_ingress: parser_derender; bench/results/hop.md). Requests without
+# the header are balanced round-robin.
+SERVE_ENV := RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_HAPROXY_BALANCE_ALGORITHM='hdr(x-session-id)'
 
 run: $(STAMP)
 	$(SERVE_ENV) $(VENV)/bin/serve run serve_config.yaml

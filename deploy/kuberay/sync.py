@@ -24,6 +24,7 @@ import copy
 import difflib
 import json
 import re
+import shlex
 import sys
 import tomllib
 from pathlib import Path
@@ -104,7 +105,7 @@ def _ray_version() -> str:
 def _serve_env() -> list[dict[str, str]]:
     """The Serve flags ``make run`` starts Ray with (the Makefile's ``SERVE_ENV``), for every Ray pod."""
     line = next(ln for ln in (ROOT / "Makefile").read_text().splitlines() if ln.startswith("SERVE_ENV :="))
-    pairs = [kv.split("=", 1) for kv in line.split(":=", 1)[1].split()]
+    pairs = [kv.split("=", 1) for kv in shlex.split(line.split(":=", 1)[1])]
     return [{"name": k, "value": v} for k, v in pairs]
 
 

@@ -7,6 +7,7 @@ shipped resource plan must bring every replica to RUNNING on it (``/ready``).
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _makefile_serve_env() -> dict[str, str]:
     line = next(ln for ln in (ROOT / "Makefile").read_text().splitlines() if ln.startswith("SERVE_ENV :="))
-    return dict(kv.split("=", 1) for kv in line.split(":=", 1)[1].split())
+    return dict(kv.split("=", 1) for kv in shlex.split(line.split(":=", 1)[1]))
 
 
 def test_serve_run_serve_config(tmp_path: Path):
@@ -59,6 +60,7 @@ def test_serve_run_serve_config(tmp_path: Path):
                 {"generate_responses": [{"request_id": "g", "choices": [{"index": 0, "token_ids": [9707, 1879]}]}]},
             )
             assert derendered["choices"][0]["text"] == "Hello world"
+            _parser_streams_stay_on_one_ingress(rendered["token_ids"])
         finally:
             proc.send_signal(signal.SIGINT)
             try:
@@ -77,3 +79,27 @@ def _post_until_ready(path: str, body: dict) -> dict:
             assert r.status_code == 200, r.text
             return r.json()
         time.sleep(1)
+
+
+def _parser_streams_stay_on_one_ingress(prompt: list[int]) -> None:
+    """Two Ingress replicas derender parser streams themselves (colocate_in_ingress): a stream sent with
+    ``x-session-id`` keeps reaching the replica holding its live parser because HAProxy hashes the
+    header (the Makefile's SERVE_ENV), so its chunks are session-cache hits (a miss would replay)."""
+    from transformers import AutoTokenizer
+
+    from serve_app.models import ensure_model
+    from tests.integration.test_colocation import session_outcomes
+    from tests.integration.test_parser_derender import OUTPUT, _stream_http
+
+    tok = AutoTokenizer.from_pretrained(ensure_model("qwen3-tiny"))
+    output = tok.encode(OUTPUT) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    outcomes = [session_outcomes("http://127.0.0.1:8000")]
+    for stream in range(4):  # several ids: both replicas get some
+        chunks = _stream_http("http://127.0.0.1:8000", f"e2e-{stream}", prompt, output, headers={"x-session-id": f"e2e-{stream}"})
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        outcomes.append(session_outcomes("http://127.0.0.1:8000"))
+    hits = outcomes[-1].get("hit", 0) - outcomes[0].get("hit", 0)
+    misses = outcomes[-1].get("miss", 0) - outcomes[0].get("miss", 0)
+    # One miss at most: HAProxy may add the second replica as a backend during the first stream.
+    assert hits >= 4 * (len(output) - 1) - 1 and misses <= 1, (hits, misses)
+
