@@ -462,19 +462,27 @@ class Ingress:
     async def prometheus(self) -> Response:
         """Every Ingress replica's series (``replica`` label), whichever replica the scrape reached, and
         the ParserDerender replicas' session caches (serve_app/metrics.py)."""
-        replicas, caches = await asyncio.gather(self._ingress_families(), self._session_cache_stats())
+        (replicas, local_caches), caches = await asyncio.gather(self._ingress_families(), self._session_cache_stats())
         metrics.set_replicas(replicas)
         if self.parser_derender is not None:
-            metrics.set_session_caches(caches, self.args.parser_sessions.max_tokens)
+            # The Ingress replicas' own caches (parser derender colocated) next to ParserDerender's.
+            metrics.set_session_caches(None if caches is None else [*caches, *local_caches], self.args.parser_sessions.max_tokens)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def metric_families(self) -> tuple[str, list[Any]]:
-        """By handle: this replica's id and its own metric families, for the replica answering a scrape."""
-        return self._replica.replica_id.unique_id, metrics.families()
+    async def metric_families(self) -> tuple[str, list[Any], dict[str, Any] | None]:
+        """By handle: this replica's id, its own metric families and, with parser derender colocated, its
+        session cache's stats (replica ``Ingress:<id>``), for the replica answering a scrape."""
+        replica = self._replica.replica_id.unique_id
+        local = None
+        if self.local_parser is not None:
+            from serve_app.derender.parser import session_stats
 
-    async def _ingress_families(self) -> dict[str, list[Any]]:
-        """Every Ingress replica's families by replica id (one call each, 2 s at most); this replica's
-        own always, the others' when they answer in time."""
+            local = session_stats(self.local_parser, f"Ingress:{replica}")
+        return replica, metrics.families(), local
+
+    async def _ingress_families(self) -> tuple[dict[str, list[Any]], list[dict[str, Any]]]:
+        """Every Ingress replica's families by replica id (one call each, 2 s at most), and their own
+        session caches' stats; this replica's always, the others' when they answer in time."""
         own = await self.metric_families()
         try:
             if self._peers is None:
@@ -483,7 +491,8 @@ class Ingress:
         except Exception as exc:
             logger.info("other Ingress replicas' metrics unavailable: %s", exc)
             answers = []
-        return dict([*(a for a in answers if isinstance(a, tuple)), own])
+        replies = {a[0]: a for a in answers if isinstance(a, tuple)} | {own[0]: own}
+        return {r[0]: r[1] for r in replies.values()}, [r[2] for r in replies.values() if len(r) > 2 and r[2] is not None]
 
     async def _session_cache_stats(self) -> list[Any] | None:
         """Every ParserDerender replica's ``stats()`` (an exception in place of a replica that failed),

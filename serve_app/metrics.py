@@ -150,7 +150,8 @@ class ReplicaCollector(Collector):
 
 
 class SessionCacheCollector(Collector):
-    """The ParserDerender replicas' session-cache stats as of the last scrape, read at collect time.
+    """The parser-session caches' stats as of the last scrape (each ParserDerender replica's, and each
+    Ingress replica's own, labelled ``Ingress:<id>``, when parser derender is colocated), read at collect time.
 
     A custom collector instead of labelled gauges: a replica that is gone simply stops appearing,
     with no label set to clear.
@@ -191,25 +192,25 @@ class SessionCacheCollector(Collector):
             (
                 GaugeMetricFamily,
                 "serve_app_parser_session_cache_sessions",
-                "Live parser sessions cached, per ParserDerender replica.",
+                "Live parser sessions cached, per replica holding them (ParserDerender, or Ingress:<id> when colocated).",
                 "sessions",
             ),
             (
                 GaugeMetricFamily,
                 "serve_app_parser_session_cache_tokens",
-                "Token ids held by the cached sessions (their outputs; the cache's memory bound), per ParserDerender replica.",
+                "Token ids held by the cached sessions (their outputs; the cache's memory bound), per replica holding them.",
                 "session_tokens",
             ),
             (
                 CounterMetricFamily,
                 "serve_app_parser_session_cache_evictions",
-                "Sessions evicted to stay within max_sessions / max_tokens, per ParserDerender replica.",
+                "Sessions evicted to stay within max_sessions / max_tokens, per replica holding sessions.",
                 "evictions",
             ),
             (
                 CounterMetricFamily,
                 "serve_app_parser_session_cache_expirations",
-                "Sessions dropped after ttl_s unused, per ParserDerender replica.",
+                "Sessions dropped after ttl_s unused, per replica holding sessions.",
                 "expirations",
             ),
         )

@@ -17,7 +17,7 @@ from serve_app.derender.checks import DerenderModel
 from serve_app.derender.parser_service import ParserDerenderService, ParserSession
 from serve_app.derender.sessions import SessionCache
 
-__all__ = ["ParserDerender", "build_parser_service"]
+__all__ = ["ParserDerender", "build_parser_service", "session_stats"]
 
 
 async def build_parser_service(args: AppArgs, model: ResolvedModel, render_state: Any = None) -> ParserDerenderService:
@@ -40,7 +40,8 @@ class ParserDerender:
             "max_ongoing_requests": 32,
             "max_queued_requests": 64,
             "ray_actor_options": {"num_cpus": 0.5},
-            "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8},
+            # 2 chunk requests in flight: utilisation ~0.7 for a one-core replica (bench/results/capacity.md).
+            "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 2},
             "request_router_config": {
                 "request_router_class": "ray.serve.experimental.consistent_hash_router:ConsistentHashRouter",
                 "request_router_kwargs": {"num_virtual_nodes": 100, "num_fallback_replicas": 2},
@@ -64,16 +65,21 @@ class ParserDerender:
 
     async def stats(self) -> dict[str, Any]:
         """Session-cache counters and size, and this replica's peak RSS."""
-        cache = self.service.sessions
-        s = cache.stats
-        return {
-            "replica": self.replica,
-            "sessions": len(cache),
-            "session_tokens": cache.tokens,
-            "hits": s.hits,
-            "misses": s.misses,
-            "replayed_tokens": s.replayed_tokens,
-            "evictions": s.evictions,
-            "expirations": s.expirations,
-            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        }
+        return session_stats(self.service, self.replica)
+
+
+def session_stats(service: ParserDerenderService, replica: str) -> dict[str, Any]:
+    """A parser service's session-cache counters and size, and its process's peak RSS, for /metrics."""
+    cache = service.sessions
+    s = cache.stats
+    return {
+        "replica": replica,
+        "sessions": len(cache),
+        "session_tokens": cache.tokens,
+        "hits": s.hits,
+        "misses": s.misses,
+        "replayed_tokens": s.replayed_tokens,
+        "evictions": s.evictions,
+        "expirations": s.expirations,
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }

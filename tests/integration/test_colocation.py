@@ -84,6 +84,11 @@ def test_colocated_parser_stream_matches_parser_derender_deployment(app_url, col
     assert after.get("hit", 0) - before.get("hit", 0) == len(output) - 1
     assert after.get("miss", 0) == before.get("miss", 0) and deployment_after == deployment_before
 
+    # The Ingress's own cache is exported next to ParserDerender's, labelled by the Ingress replica.
+    held = [line for line in httpx.get(colocated_app_url + "/metrics", timeout=30).text.splitlines()
+            if line.startswith('serve_app_parser_session_cache_sessions{replica="Ingress:')]
+    assert held and float(held[0].rsplit(" ", 1)[1]) >= 1, held
+
     forwarded = _stream_http(colocated_app_url, "coloc", prompt, output)
     assert [_normalize(c) for c in forwarded] == deployed
     assert deployment_chunks() - deployment_after == len(output) - 1
