@@ -19,7 +19,8 @@ systems taking turns per concurrency (who goes first alternates):
 
 1. **parser**: chat derender streams through the parsers, one token per chunk, each call carrying
    the previous ``stream_state``, ``chat_request`` and the full ``prompt_token_ids`` (as
-   ``parser_bench``), with the stream's id as ``x-session-id`` (vLLM ignores it): a ``--stream-tokens`` output of reasoning, answer and two hermes tool calls.
+   ``parser_bench``), with the stream's id as ``x-session-id`` (vLLM ignores it): a
+   ``--stream-tokens`` output of reasoning, answer and two hermes tool calls.
    Every stream is run to its end, so every position 0..N-1 is sampled equally (vLLM's per-chunk
    cost grows with the position). Aggregate chunks/s, per-chunk p50 / p99, p50 by position.
 2. **plain**: completions derender streams (no parser on either side), one token per chunk of
