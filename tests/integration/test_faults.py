@@ -46,7 +46,12 @@ def _deploy(ingress_replicas: int = 2, parser_replicas: int = 2) -> str:
         "name": APP,
         "route_prefix": f"/{APP}",
         "import_path": "serve_app.app:build_app",
-        "args": {"model": "qwen3-tiny", **QWEN3_PARSER_ARGS, "colocate_in_ingress": ["render", "plain_derender"], "engine": engine},
+        "args": {
+            "model": "qwen3-tiny",
+            **QWEN3_PARSER_ARGS,
+            "colocate_in_ingress": ["render", "plain_derender", "parser_derender"],  # as serve_config.yaml
+            "engine": engine,
+        },
         "deployments": [{"name": "Ingress", "num_replicas": ingress_replicas}, {"name": "ParserDerender", **fixed(parser_replicas)}],
     }
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
@@ -126,12 +131,18 @@ def _sigkill(pid: int) -> None:
 
 
 def _post_retrying(c: httpx.Client, path: str, body: dict, deadline_s: float = 120) -> tuple[httpx.Response, int]:
-    """POST until it is not a 503; each 503 must be in the envelope with Retry-After. Returns the
-    answer and how many 503s came first."""
+    """POST until it is not a 503 nor a cut connection; each 503 must be in the envelope with
+    Retry-After. Returns the answer and how many 503s and cut connections came first."""
     deadline = time.monotonic() + deadline_s
     unavailable = 0
     while True:
-        r = c.post(path, json=body)
+        try:
+            r = c.post(path, json=body)
+        except httpx.TransportError:  # the replica serving it died: the table says retry
+            unavailable += 1
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+            continue
         if r.status_code != 503:
             return r, unavailable
         unavailable += 1
@@ -146,10 +157,12 @@ def _normalize(obj: dict) -> dict:
     return json.loads(re.sub(r"chatcmpl-tool-[0-9a-f]+", "chatcmpl-tool-X", text))
 
 
-def _parser_stream(base: str, rid: str, prompt: list[int], output: list[int], on_chunk=None) -> tuple[list[dict], int]:
+def _parser_stream(
+    base: str, rid: str, prompt: list[int], output: list[int], on_chunk=None, headers: dict | None = None
+) -> tuple[list[dict], int]:
     """One parser-derender stream over HTTP, one token per chunk, each 503 retried with the same chunk."""
     chunks, state, unavailable = [], None, 0
-    with httpx.Client(base_url=base, timeout=60) as c:
+    with httpx.Client(base_url=base, timeout=60, headers=headers) as c:
         for i, tid in enumerate(output):
             if on_chunk is not None:
                 on_chunk(i)
@@ -239,6 +252,42 @@ def test_parser_replica_killed_mid_stream_retried_chunk_continues_identically(ap
     _wait_healthy(app)
     _wait_running("ParserDerender", 2)
     assert replica not in _replica_pids("ParserDerender")
+
+
+def test_ingress_replica_killed_mid_parser_stream_sent_with_session_header_retried_chunk_is_identical(app, parser_inputs):
+    """A parser stream sent with ``x-session-id`` is parsed in the Ingress (parser derender colocated,
+    as ``make run``). SIGKILL an Ingress replica half-way through it: the client retries the chunk
+    (a cut connection or a 503), the other Ingress replica replays the carried state, and every chunk
+    equals a clean run's. None of it reaches ParserDerender."""
+    from ray import serve
+
+    prompt, output = parser_inputs
+    _wait_running("Ingress", 2)
+    parser = serve.get_deployment_handle("ParserDerender", app_name=APP)
+
+    def parser_chunks() -> dict[str, int]:
+        """Chunks each live ParserDerender replica has parsed (a replica killed earlier may still be
+        in the handle's view: its call fails and it is left out)."""
+        stats = parser.broadcast("stats").results(timeout_s=60, return_exceptions=True)
+        return {s["replica"]: s["hits"] + s["misses"] for s in stats if isinstance(s, dict)}
+
+    clean, unavailable = _parser_stream(app, "affine-clean", prompt, output, headers={"x-session-id": "affine-clean"})
+    assert unavailable == 0
+    victim = next(iter(_replica_pids("Ingress").values()))
+    half = len(output) // 2
+    before = parser_chunks()
+
+    def kill_half_way(i: int) -> None:
+        if i == half:
+            _sigkill(victim)
+
+    faulted, _ = _parser_stream(app, "affine", prompt, output, on_chunk=kill_half_way, headers={"x-session-id": "affine"})
+    assert faulted == clean
+    after = parser_chunks()
+    assert before and all(after.get(r, n) == n for r, n in before.items()), (before, after)
+    assert all(after[r] == 0 for r in after.keys() - before.keys()), (before, after)
+    _wait_healthy(app)
+    _wait_running("Ingress", 2)
 
 
 def test_ingress_replica_killed_mid_composed_stream_retry_is_identical(app, tok):
