@@ -113,6 +113,25 @@ def _wait_healthy(app_url: str, timeout_s: float = 300) -> None:
         time.sleep(1)
 
 
+def _wait_routed_to_every_ingress(app_url: str, timeout_s: float = 120) -> None:
+    """Until the front door routes to every live Ingress replica: each has served ``/v1/models``
+    (``/metrics`` gathers every replica's counters, labelled by replica). A replica that replaced a
+    killed one is RUNNING before the proxy's router sends it anything."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for _ in range(8):
+            httpx.get(f"{app_url}/v1/models", timeout=10)
+        served = {
+            line.split('replica="', 1)[1].split('"', 1)[0]
+            for line in httpx.get(f"{app_url}/metrics", timeout=30).text.splitlines()
+            if line.startswith("serve_app_http_requests_total{") and 'route="/v1/models"' in line and 'replica="' in line
+        }
+        if set(_replica_pids("Ingress")) <= served:
+            return
+        assert time.monotonic() < deadline, (served, _replica_pids("Ingress"))
+        time.sleep(1)
+
+
 def _replica_pids(deployment: str) -> dict[str, int]:
     """Replica unique id -> process id, for the live replicas of ``deployment``."""
     import ray
@@ -297,6 +316,8 @@ def test_ingress_replica_killed_mid_composed_stream_retry_is_identical(app, tok)
     body = _composed_body(tok, LONG_ANSWER)
     clean, done = _composed_stream(app, body)
     assert done
+    _wait_running("Ingress", 2)
+    _wait_routed_to_every_ingress(app)  # so the streams spread over both (an earlier test killed one)
     victim = next(iter(_replica_pids("Ingress").values()))
     opened = threading.Barrier(4 + 1)
     results: list[tuple[list[dict], bool]] = []
