@@ -312,25 +312,15 @@ def test_request_cache_is_bounded_in_bytes_and_keeps_no_conversation(service, id
 def test_request_cache_is_exact_when_two_threads_fill_it(service):
     """The loop thread (stream chunks) and the worker thread (big non-streaming requests) both look
     configurations up and file them: the byte count and the bounds stay exact."""
-    import sys
-    import threading
+    from tests.unit.test_sessions import race_in_two_threads
 
     svc = _service_like(service, max_request_bytes=30_000)
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
 
     def fill(offset: int) -> None:
         for i in range(150):
             svc.request_config({**CHAT_REQUEST, "messages": [{"role": "user", "content": f"{(i + offset) % 60}"}]})
 
-    try:
-        threads = [threading.Thread(target=fill, args=(n,)) for n in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(switch)
+    race_in_two_threads(fill)
     assert svc.request_bytes == sum(c.size for c in svc._configs.values()) <= 30_000
 
 

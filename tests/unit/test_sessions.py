@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -78,15 +81,25 @@ def test_digest_covers_every_part_of_the_state(other):
     assert state_digest(*other) != state_digest(*BASE)
 
 
+def race_in_two_threads(target: Callable[[int], None]) -> None:
+    """``target(0)`` and ``target(1)`` in two threads at once, CPython switching between them as
+    often as it can (races show up quickly); returns when both are done."""
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=target, args=(n,)) for n in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+
+
 def test_the_loop_and_the_worker_thread_can_share_the_cache():
     """ParserDerenderService takes and files sessions from the event loop (hits) and from its worker
     thread (long replays) at once: the token count and the bounds stay exact."""
-    import sys
-    import threading
-
     cache: SessionCache[int] = SessionCache(max_sessions=50, ttl_s=60, max_tokens=400)
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as CPython allows: races show up quickly
 
     def churn(offset: int) -> None:
         for i in range(20_000):
@@ -96,13 +109,6 @@ def test_the_loop_and_the_worker_thread_can_share_the_cache():
             if i % 5 == 0:
                 cache.put(bytes([2, i % 7]), i, tokens=3)  # keys both threads use
 
-    try:
-        threads = [threading.Thread(target=churn, args=(n,)) for n in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(switch)
+    race_in_two_threads(churn)
     held = [cache._entries[k][1] for k in cache._entries]
     assert cache.tokens == sum(held) <= 400 and len(held) <= 50
