@@ -278,23 +278,15 @@ def test_ingress_replica_killed_mid_parser_stream_sent_with_session_header_retri
     as ``make run``). SIGKILL an Ingress replica half-way through it: the client retries the chunk
     (a cut connection or a 503), the other Ingress replica replays the carried state, and every chunk
     equals a clean run's. None of it reaches ParserDerender."""
-    from ray import serve
+    from tests.integration.test_colocation import parser_derender_chunks
 
     prompt, output = parser_inputs
     _wait_running("Ingress", 2)
-    parser = serve.get_deployment_handle("ParserDerender", app_name=APP)
-
-    def parser_chunks() -> dict[str, int]:
-        """Chunks each live ParserDerender replica has parsed (a replica killed earlier may still be
-        in the handle's view: its call fails and it is left out)."""
-        stats = parser.broadcast("stats").results(timeout_s=60, return_exceptions=True)
-        return {s["replica"]: s["hits"] + s["misses"] for s in stats if isinstance(s, dict)}
-
     clean, unavailable = _parser_stream(app, "affine-clean", prompt, output, headers={"x-session-id": "affine-clean"})
     assert unavailable == 0
     victim = next(iter(_replica_pids("Ingress").values()))
     half = len(output) // 2
-    before = parser_chunks()
+    before = parser_derender_chunks(APP)
 
     def kill_half_way(i: int) -> None:
         if i == half:
@@ -302,7 +294,7 @@ def test_ingress_replica_killed_mid_parser_stream_sent_with_session_header_retri
 
     faulted, _ = _parser_stream(app, "affine", prompt, output, on_chunk=kill_half_way, headers={"x-session-id": "affine"})
     assert faulted == clean
-    after = parser_chunks()
+    after = parser_derender_chunks(APP)
     assert before and all(after.get(r, n) == n for r, n in before.items()), (before, after)
     assert all(after[r] == 0 for r in after.keys() - before.keys()), (before, after)
     _wait_healthy(app)
