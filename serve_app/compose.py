@@ -40,6 +40,7 @@ __all__ = [
     "InProcess",
     "Stages",
     "build_composed",
+    "colocated_render_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,11 @@ class InProcess:
         return SimpleNamespace(remote=remote)
 
 
+def colocated_render_state(render: Any) -> Any:
+    """vLLM's render state when Render runs in this process (~0.6 GiB, which the parsers reuse); else None."""
+    return render.service.state if isinstance(render, InProcess) else None
+
+
 def _as_coroutine(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
     async def call(*args: Any) -> Any:
         return fn(*args)
@@ -133,9 +139,7 @@ async def build_composed(args: Any, model: Any, render: Any, plain_derender: Any
     if args.has_parser:
         from serve_app.derender.parser import build_parser_service
 
-        # A colocated Render already holds vLLM's render state (~0.6 GiB): the parsers reuse it.
-        state = render.service.state if isinstance(render, InProcess) else None
-        chat = await build_parser_service(args, model, state)
+        chat = await build_parser_service(args, model, colocated_render_state(render))
     generate_stream = engine.options(stream=True, method_name="generate_stream")
     stages = Stages(
         render_chat=lambda body, rid: render.chat.remote(body, rid),

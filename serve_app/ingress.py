@@ -23,7 +23,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.auth import ApiKeyMiddleware
-from serve_app.compose import ComposedService, InProcess, build_composed
+from serve_app.compose import ComposedService, InProcess, build_composed, colocated_render_state
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import ApiError, ServiceUnavailableError, envelope, error_body, validation_error
 from serve_app.health import StageHealth, routable, routable_replicas
@@ -205,8 +205,7 @@ class Ingress:
             else:
                 from serve_app.derender.parser import build_parser_service
 
-                state = render.service.state if isinstance(render, InProcess) else None
-                self.local_parser = await build_parser_service(args, model, state)
+                self.local_parser = await build_parser_service(args, model, colocated_render_state(render))
         self._replica = serve.get_replica_context()
         self._peers: Any = None  # this deployment's own handle, made at the first scrape (see /metrics)
         self._created = int(time.time())
@@ -461,7 +460,8 @@ class Ingress:
     @api.get("/metrics")
     async def prometheus(self) -> Response:
         """Every Ingress replica's series (``replica`` label), whichever replica the scrape reached, and
-        the ParserDerender replicas' session caches (serve_app/metrics.py)."""
+        the parser-session caches: the ParserDerender replicas', and the Ingress replicas' own when
+        parser derender is colocated (serve_app/metrics.py)."""
         (replicas, local_caches), caches = await asyncio.gather(self._ingress_families(), self._session_cache_stats())
         metrics.set_replicas(replicas)
         if self.parser_derender is not None:

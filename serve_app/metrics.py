@@ -8,9 +8,10 @@ proxy picks, so the replica answering ``/metrics`` gathers every Ingress replica
 Serve port, or the Kubernetes Service in front of it) sees the whole deployment, and rates stay right
 when replicas come and go. Sum over ``replica`` in PromQL.
 
-The parser-session cache lives in the ParserDerender replicas: the ingress asks them for their
-cache stats when it is scraped (:meth:`HttpMetrics.set_session_caches`) and exports the answers, one
-series per ParserDerender replica (``replica`` label). The dashboard and alert queries are in
+The parser-session caches live in the ParserDerender replicas and, with parser derender colocated,
+in the Ingress replicas: the ingress asks them for their cache stats when it is scraped
+(:meth:`HttpMetrics.set_session_caches`) and exports the answers, one series per replica holding
+sessions (``replica`` label; ``Ingress:<id>`` for an Ingress). The dashboard and alert queries are in
 ``deploy/grafana/serve_app.json`` and ``docs/operations.md``.
 """
 
@@ -76,7 +77,8 @@ class HttpMetrics:
         self.replicas.update(families)
 
     def set_session_caches(self, stats: Sequence[Any] | None, max_tokens: int | None = None) -> None:
-        """The ParserDerender replicas' ``stats()`` answers, exported until the next call."""
+        """The session caches' stats (``ParserDerender.stats()`` answers, and the Ingress replicas'
+        own), exported until the next call."""
         self.session_caches.update(stats, max_tokens)
 
     def observe(self, route: str, method: str, status: int, seconds: float) -> None:
