@@ -189,6 +189,9 @@ def engine_shape(app: dict[str, Any], opts: Options) -> EngineShape | None:
         raise ValueError("a one-GPU Engine must ask for it: ray_actor_options.num_gpus: 1 under deployments.engine")
     if world > 1 and gpus:
         raise ValueError(f"with {world} workers the Engine replica takes no GPU itself (each worker's bundle holds one)")
+    if world > 1 and "ray_actor_options" in _serve_entry(app, ENGINE_DEPLOYMENT):
+        # The app builds the placement group from args.deployments.engine; a Serve-level override comes later.
+        raise ValueError("with tensor / pipeline parallelism set the Engine's ray_actor_options under args.deployments.engine")
     if world <= opts.gpus_per_node:
         per_pod = world
     elif tp <= opts.gpus_per_node:

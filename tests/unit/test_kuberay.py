@@ -293,6 +293,15 @@ def test_impossible_engine_shapes_are_refused_with_a_reason(tmp_path, capsys, en
     assert not (tmp_path / "m.yaml").exists()
 
 
+def test_a_parallel_engines_actor_options_must_be_where_its_placement_group_is_built(tmp_path, capsys):
+    config = yaml.safe_load(_with_engine({"tensor_parallel_size": 2}))
+    _app(config)["deployments"].append({"name": "Engine", "ray_actor_options": {"num_cpus": 2}})
+    source = tmp_path / "model.yaml"
+    source.write_text(yaml.safe_dump(config))
+    assert sync.main(["--source", str(source), "--output", str(tmp_path / "m.yaml")]) == 2
+    assert "under args.deployments.engine" in capsys.readouterr().err
+
+
 def test_a_manifest_for_ones_own_config_is_written_valid_and_checked(tmp_path, validators):
     source, output = tmp_path / "my-model.yaml", tmp_path / "my-model.rayservice.yaml"
     source.write_text(_with_engine({"tensor_parallel_size": 8, "pipeline_parallel_size": 2}))
