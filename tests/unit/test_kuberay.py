@@ -209,7 +209,8 @@ def test_embedded_serve_config_is_the_source_plus_exactly_the_documented_additio
 
 @pytest.mark.parametrize("output", OUTPUTS)
 def test_embedded_serve_config_is_valid_for_serve_and_for_the_app(output):
-    from ray.serve.schema import RayActorOptionsSchema, ServeDeploySchema
+    from ray.serve._private.config import ReplicaConfig
+    from ray.serve.schema import ServeDeploySchema
 
     from serve_app.config import AppArgs
 
@@ -218,8 +219,8 @@ def test_embedded_serve_config_is_valid_for_serve_and_for_the_app(output):
     (app,) = config.applications
     AppArgs.model_validate(app.args)
     assert str(config.proxy_location.value) == "EveryNode"
-    for name in _deployed(_app(embedded)):  # what each replica asks Ray for, Serve's checks included
-        RayActorOptionsSchema.model_validate(_effective(_app(embedded), name, "ray_actor_options"))
+    for name in _deployed(_app(embedded)):  # what each replica asks Ray for, through Serve's own checks
+        ReplicaConfig.create(object, ray_actor_options=_effective(_app(embedded), name, "ray_actor_options"))
 
 
 # -- what the cluster is built from the config -------------------------------------------------------
@@ -439,9 +440,10 @@ def test_each_tier_is_pinned_to_its_group_by_resource_and_label(output):
 def test_gpu_layout_uses_the_same_custom_resources():
     text = (ROOT / "configs" / "gpu-layout.yaml").read_text()
     assert f"""--resources='{{"{sync.ENGINE_NODE}": 1}}'""" in text and f"""--resources='{{"{sync.CPU_TIER}": 1}}'""" in text
-    for d in _app(yaml.safe_load(text))["deployments"]:
-        tier = sync.ENGINE_NODE if d["name"] == sync.ENGINE_DEPLOYMENT else sync.CPU_TIER
-        assert d["ray_actor_options"]["resources"] == {tier: sync.TIER_SHARE}, d["name"]
+    app = _app(yaml.safe_load(text))
+    for name in _deployed(app):
+        tier = sync.ENGINE_NODE if name == sync.ENGINE_DEPLOYMENT else sync.CPU_TIER
+        assert _effective(app, name, "ray_actor_options")["resources"] == {tier: sync.TIER_SHARE}, name
 
 
 def test_images_and_ray_version_match_the_pinned_ray():
