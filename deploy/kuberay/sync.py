@@ -40,7 +40,6 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
 KUBERAY_MIN = "1.5.1"  # group labels / resources fields (1.5.0), authOptions and label-aware autoscaling (1.5.1)
 
 CPU_TIER, ENGINE_NODE = "cpu_tier", "engine_node"
