@@ -26,7 +26,10 @@ $(STAMP): pyproject.toml
 # HAProxy hashes the x-session-id header, so a parser stream's chunks stay on the Ingress replica that
 # holds its live parser (colocate_in_ingress: parser_derender; bench/results/hop.md). Requests without
 # the header are balanced round-robin.
-SERVE_ENV := RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_HAPROXY_BALANCE_ALGORITHM='hdr(x-session-id)'
+# The front door (docs/operations.md, "Front door"): HAProxy answers 408 and closes a connection whose
+# client stalls 30 s while sending a request (Ray's default: an hour), and Ray's replica HTTP server runs
+# serve_app.front_door's middleware before it decodes any header (400 envelope, not a 500).
+SERVE_ENV := RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_HAPROXY_BALANCE_ALGORITHM='hdr(x-session-id)' RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S=30 RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=serve_app.front_door.middlewares
 
 run: $(STAMP)
 	$(SERVE_ENV) $(VENV)/bin/serve run serve_config.yaml

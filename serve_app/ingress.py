@@ -26,6 +26,7 @@ from serve_app.auth import ApiKeyMiddleware
 from serve_app.compose import ComposedService, InProcess, build_composed, colocated_render_state
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import ApiError, ServiceUnavailableError, envelope, error_body, validation_error
+from serve_app.front_door import BodyDeadlineMiddleware
 from serve_app.health import StageHealth, routable, routable_replicas
 from serve_app.limits import BodySizeLimitMiddleware
 from serve_app.metrics import CONTENT_TYPE_LATEST, HttpMetrics, MetricsMiddleware
@@ -52,7 +53,9 @@ def _vllm_version() -> str:
     return "0.32.0"
 
 
-api = FastAPI(title="serve_app", description="vLLM 0.32 compatible render / derender on Ray Serve")
+# No redirect_slashes: FastAPI would answer "/v1/models/" with a redirect to whatever Host the client
+# sent; a path with a trailing slash is the 404 envelope like any other unknown path.
+api = FastAPI(title="serve_app", description="vLLM 0.32 compatible render / derender on Ray Serve", redirect_slashes=False)
 metrics = HttpMetrics()
 
 
@@ -215,17 +218,18 @@ class Ingress:
         # Added here, not at import, because the limit is configuration.
         api.user_middleware.clear()
         api.add_middleware(BodySizeLimitMiddleware, max_bytes=args.limits.max_body_bytes)
+        api.add_middleware(BodyDeadlineMiddleware)  # a trickled body: 408 (serve_app/front_door.py)
         if keys := args.api_keys():
             api.add_middleware(ApiKeyMiddleware, keys=keys)
         api.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts 401s and 413s too
         api.middleware_stack = None  # rebuilt on the first request with the middleware above
 
-    @api.get("/health")
+    @api.api_route("/health", methods=["GET", "HEAD"])
     async def health(self) -> Response:
         """Liveness: this replica answers."""
         return Response(status_code=200)
 
-    @api.get("/ready")
+    @api.api_route("/ready", methods=["GET", "HEAD"])
     async def ready(self) -> Response:
         """Readiness: 200 once every deployment of this application is HEALTHY (all its replicas
         RUNNING, the engine loaded); else 503 in the envelope, naming the stages that are not, with
@@ -236,11 +240,11 @@ class Ingress:
             return JSONResponse(body, status_code=status, headers={"Retry-After": str(RETRY_AFTER_S)})
         return JSONResponse({"status": "ready"})
 
-    @api.get("/version")
+    @api.api_route("/version", methods=["GET", "HEAD"])
     async def version(self) -> dict[str, str]:
         return {"version": _vllm_version()}
 
-    @api.get("/v1/models")
+    @api.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(self) -> dict[str, Any]:
         now = int(time.time())
         return {

@@ -1,22 +1,29 @@
 """The README's run command: ``serve run serve_config.yaml`` comes up offline and answers.
 
 ``serve run`` starts its own Ray here, so the cluster declares this machine's real CPU count: the
-shipped resource plan must bring every replica to RUNNING on it (``/ready``).
+shipped resource plan must bring every replica to RUNNING on it (``/ready``). The front door tests
+below use the same cluster: raw bytes in headers, trailing slashes, HEAD, slow clients.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+URL = "http://127.0.0.1:8000"
 
 
 def _makefile_serve_env() -> dict[str, str]:
@@ -24,12 +31,15 @@ def _makefile_serve_env() -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in shlex.split(line.split(":=", 1)[1]))
 
 
-def test_serve_run_serve_config(tmp_path: Path):
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``serve run serve_config.yaml`` with the Makefile's SERVE_ENV, up and ready (every replica RUNNING);
+    the tests of this module share it. Yields the log path."""
     serve_cli = Path(sys.executable).with_name("serve")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env |= _makefile_serve_env()  # exactly what `make run` starts Serve with
     env.pop("RAY_ADDRESS", None)
-    log_path = tmp_path / "serve.log"
+    log_path = tmp_path_factory.mktemp("serve_run") / "serve.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             [str(serve_cli), "run", "serve_config.yaml"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
@@ -39,28 +49,18 @@ def test_serve_run_serve_config(tmp_path: Path):
             while True:
                 assert proc.poll() is None, log_path.read_text()[-4000:]
                 try:
-                    if httpx.get("http://127.0.0.1:8000/health", timeout=2).status_code == 200:
+                    if httpx.get(f"{URL}/health", timeout=2).status_code == 200:
                         break
                 except httpx.TransportError:
                     pass
                 assert time.monotonic() < deadline, log_path.read_text()[-4000:]
                 time.sleep(1)
-            while (ready := httpx.get("http://127.0.0.1:8000/ready", timeout=10)).status_code != 200:
+            while (ready := httpx.get(f"{URL}/ready", timeout=10)).status_code != 200:
                 # 503 + Retry-After, naming the deployments still waiting, until every replica runs.
                 assert ready.status_code == 503 and ready.headers["retry-after"], ready.text
                 assert time.monotonic() < deadline, ready.text + log_path.read_text()[-4000:]
                 time.sleep(1)
-            models = httpx.get("http://127.0.0.1:8000/v1/models", timeout=10).json()
-            assert [m["id"] for m in models["data"]] == ["qwen3-tiny"]
-            messages = [{"role": "user", "content": "Hello"}]
-            rendered = _post_until_ready("/v1/chat/completions/render", {"messages": messages})
-            assert rendered["token_ids"][-3:] == [151644, 77091, 198]  # "<|im_start|>assistant\n"
-            derendered = _post_until_ready(
-                "/v1/completions/derender",
-                {"generate_responses": [{"request_id": "g", "choices": [{"index": 0, "token_ids": [9707, 1879]}]}]},
-            )
-            assert derendered["choices"][0]["text"] == "Hello world"
-            _parser_streams_stay_on_one_ingress(rendered["token_ids"])
+            yield log_path
         finally:
             proc.send_signal(signal.SIGINT)
             try:
@@ -70,11 +70,25 @@ def test_serve_run_serve_config(tmp_path: Path):
                 proc.wait()
 
 
+def test_serve_run_serve_config(served):
+    models = httpx.get(f"{URL}/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == ["qwen3-tiny"]
+    messages = [{"role": "user", "content": "Hello"}]
+    rendered = _post_until_ready("/v1/chat/completions/render", {"messages": messages})
+    assert rendered["token_ids"][-3:] == [151644, 77091, 198]  # "<|im_start|>assistant\n"
+    derendered = _post_until_ready(
+        "/v1/completions/derender",
+        {"generate_responses": [{"request_id": "g", "choices": [{"index": 0, "token_ids": [9707, 1879]}]}]},
+    )
+    assert derendered["choices"][0]["text"] == "Hello world"
+    _parser_streams_stay_on_one_ingress(rendered["token_ids"])
+
+
 def _post_until_ready(path: str, body: dict) -> dict:
     # The front door may answer before every replica behind it is serving.
     deadline = time.monotonic() + 120
     while True:
-        r = httpx.post("http://127.0.0.1:8000" + path, json=body, timeout=30)
+        r = httpx.post(URL + path, json=body, timeout=30)
         if r.status_code == 200 or time.monotonic() > deadline:
             assert r.status_code == 200, r.text
             return r.json()
@@ -103,3 +117,96 @@ def _parser_streams_stay_on_one_ingress(prompt: list[int]) -> None:
     # One miss at most: HAProxy may add the second replica as a backend during the first stream.
     assert hits >= 4 * (len(output) - 1) - 1 and misses <= 1, (hits, misses)
 
+
+# --- the front door as `make run` starts it (issue 19, class 6; docs/operations.md, "Front door") ---
+
+HANG_GUARD_S = 180  # a client gives up after this long: only a hang reaches it
+
+
+def _raw(request: bytes, *, trickle: bytes = b"", every_s: float = 0.5) -> tuple[bytes, int]:
+    """Send ``request`` on a fresh connection, then ``trickle`` one byte every ``every_s`` until the
+    server answers; read the answer until the server closes. Returns (answer, trickle bytes sent)."""
+    sock = socket.create_connection(("127.0.0.1", 8000), timeout=HANG_GUARD_S)
+    with sock:
+        sock.sendall(request)
+        sent, deadline = 0, time.monotonic() + HANG_GUARD_S
+        while sent < len(trickle) and not select.select([sock], [], [], every_s)[0]:
+            assert time.monotonic() < deadline, "the server held a trickling client"
+            sock.sendall(trickle[sent : sent + 1])
+            sent += 1
+        answer = b""
+        while chunk := sock.recv(65536):  # to the server's close (socket timeout: the hang guard)
+            answer += chunk
+        return answer, sent
+
+
+def _status(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1])
+
+
+def _envelope(answer: bytes) -> dict:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), answer
+    return json.loads(body)["error"]
+
+
+def _request(method: str, path: str, *headers: bytes, body: bytes = b"") -> bytes:
+    """Raw HTTP/1.1 bytes (the connection closes after the answer)."""
+    lines = [f"{method} {path} HTTP/1.1".encode(), b"Host: t", *headers, b"Content-Length: %d" % len(body), b"Connection: close"]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+STRICT = [b"x-request-id", b"x-session-id", b"x-request-timeout-seconds", b"x-request-disconnect-disabled", b"serve_multiplexed_model_id"]
+
+
+@pytest.mark.parametrize("name", STRICT)
+@pytest.mark.parametrize("value", [b"\xff", b"a\x80b", b"caf\xe9", b"\xed\xa0\x80"])  # not UTF-8: stray, latin-1, a surrogate
+def test_a_raw_byte_in_a_header_ray_decodes_is_a_400_envelope(served, name, value):
+    body = b'{"messages": [{"role": "user", "content": "Hi"}]}'
+    for request in (
+        _request("GET", "/v1/models", name + b": " + value),
+        _request("POST", "/v1/chat/completions/render", b"Content-Type: application/json", name + b": " + value, body=body),
+    ):
+        answer, _ = _raw(request)
+        assert _status(answer) == 400, answer
+        error = _envelope(answer)
+        assert (error["type"], error["code"], error["param"]) == ("BadRequestError", 400, name.decode())
+
+
+def test_a_raw_byte_in_a_header_name_is_haproxys_400(served):
+    answer, _ = _raw(_request("GET", "/health", b"X-\xff: 1"))
+    assert _status(answer) == 400  # HAProxy's own page (HTML: docs/operations.md, "Front door")
+    assert httpx.get(f"{URL}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/health/", "/v1/models/", "/ready/", "/v1/chat/completions/render/"])
+def test_a_trailing_slash_is_the_404_envelope_not_a_redirect_to_the_clients_host(served, path):
+    r = httpx.request("GET", URL + path, headers={"host": "evil.example"}, timeout=10, follow_redirects=False)
+    assert r.status_code == 404 and "location" not in r.headers
+    assert r.json()["error"] == {"message": "Not Found", "type": "Not Found", "param": None, "code": 404}
+
+
+@pytest.mark.parametrize("path", ["/health", "/ready", "/version", "/v1/models"])
+def test_head_answers_200_like_get(served, path):
+    r = httpx.head(URL + path, timeout=10)
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_slow_clients_are_answered_and_closed_not_held(served):
+    """Three slow clients at once, each waiting at most the hang guard: a body trickled at 2 B/s gets the
+    408 envelope while it is still trickling (serve_app/front_door.py: 20 s, then 500 B/s); a client
+    that stops in the middle of its headers, and one that sends nothing, get HAProxy's 408 (timeout
+    client, 30 s in SERVE_ENV). Each connection is then closed by the server."""
+    body = b'{"messages": [{"role": "user", "content": "' + b"x" * 10_000 + b'"}]}'
+    head = b"POST /v1/chat/completions/render HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    trickled_body = head + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+    with ThreadPoolExecutor(3) as pool:
+        body_client = pool.submit(_raw, trickled_body, trickle=body)
+        stalled_headers = pool.submit(_raw, head + b"X-Slow: ab")
+        silent = pool.submit(_raw, b"")
+        (body_answer, sent), (headers_answer, _), (silent_answer, _) = (f.result() for f in (body_client, stalled_headers, silent))
+    assert _status(body_answer) == 408 and sent < len(body), (body_answer, sent)
+    error = _envelope(body_answer)
+    assert (error["type"], error["code"]) == ("RequestTimeoutError", 408)
+    assert _status(headers_answer) == 408 and _status(silent_answer) == 408  # HAProxy's page
+    assert httpx.get(f"{URL}/health", timeout=10).status_code == 200

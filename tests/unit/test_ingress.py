@@ -215,3 +215,224 @@ def test_overload_and_unavailable_stages_answer_503_with_retry_after():
         assert json.loads(response.body)["error"]["code"] == 503
     response = asyncio.run(_any_exception(request, ApiError("bad", status_code=400, err_type="BadRequestError")))
     assert response.status_code == 400 and "retry-after" not in response.headers
+
+
+# --- the front door (issue 19, class 6): trailing slashes, HEAD, headers Ray cannot decode, slow bodies ---
+
+from fastapi import FastAPI  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from serve_app.front_door import BodyDeadlineMiddleware, StrictHeadersMiddleware, middlewares, undecodable_header  # noqa: E402
+
+
+@pytest.fixture
+def client(monkeypatch):
+    """The Ingress's FastAPI app as Serve runs it: its routes get ``self`` from the replica context
+    (a stand-in Ingress here: these routes read only ``self.model``)."""
+    from ray import serve
+
+    from serve_app.ingress import api
+
+    owner = SimpleNamespace(model=SimpleNamespace(served_model_names=["m"], model_dir="/models/m", max_model_len=64))
+    monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(servable_object=owner))
+    return TestClient(api)
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/health/"),
+        ("GET", "/v1/models/"),
+        ("GET", "/version/"),
+        ("POST", "/v1/chat/completions/render/"),
+        ("POST", "/v1/chat/completions/"),
+        ("POST", "/tokenize/"),
+    ],
+)
+def test_a_trailing_slash_is_the_404_envelope_not_a_redirect(client, method, path):
+    r = client.request(method, path, headers={"host": "evil.example"}, json={}, follow_redirects=False)
+    assert r.status_code == 404 and "location" not in r.headers
+    assert r.json() == {"error": {"message": "Not Found", "type": "Not Found", "param": None, "code": 404}}
+
+
+@pytest.mark.parametrize("path", ["/health", "/version", "/v1/models"])
+def test_head_answers_like_get_without_a_body(client, path):
+    got, head = client.get(path), client.head(path)
+    assert got.status_code == head.status_code == 200
+    assert head.content == b"" and head.headers.get("content-type") == got.headers.get("content-type")
+
+
+def _run_asgi(app, headers, messages=()):
+    """One request through an ASGI app: (status, headers, body, whether the app behind ran)."""
+    sent: list = []
+    pending = list(messages) or [{"type": "http.request", "body": b"", "more_body": False}]
+    reached = []
+
+    async def inner(scope, receive, send):
+        reached.append(scope)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def receive():
+        return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/tokenize", "headers": headers}
+    asyncio.run(app(inner)(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], dict(start["headers"]), body, bool(reached)
+
+
+def _ray_reads(headers: list[tuple[bytes, bytes]]) -> None:
+    """What Ray 2.60's replica decodes before any app code, in its own words (replica.py,
+    ``_direct_ingress_asgi`` and ``get_asgi_tracing_context`` with tracing on; http_util.py)."""
+    from ray.serve._private.http_util import parse_disconnect_disabled_header, parse_request_timeout_header, parse_session_id_header
+
+    as_dict = dict(headers)
+    as_dict.get(b"x-request-id", b"").decode("utf-8")
+    parse_disconnect_disabled_header(as_dict)
+    parse_request_timeout_header(as_dict, None)
+    parse_session_id_header(as_dict)
+    for key, value in as_dict.items():
+        if key.decode().lower().replace("-", "_") == "serve_multiplexed_model_id":
+            value.decode()
+            break
+    for key, value in headers:
+        if key.decode() in ("traceparent", "tracestate"):
+            value.decode()
+
+
+_NAMES = [
+    b"x-request-id",
+    b"x-session-id",
+    b"x_session_id",
+    b"x-request-timeout-seconds",
+    b"x-request-disconnect-disabled",
+    b"serve_multiplexed_model_id",
+    b"serve-multiplexed-model-id",
+    b"traceparent",
+    b"tracestate",
+    b"user-agent",
+    b"content-type",
+    b"x-other",
+    b"x-\xff-name",
+    b"x-caf\xc3\xa9",
+]
+_VALUES = st.one_of(
+    st.binary(max_size=6),  # mostly not UTF-8
+    st.text(max_size=6).map(lambda t: t.encode("utf-8", "surrogatepass")),  # UTF-8, and encoded surrogates (not UTF-8)
+    st.sampled_from([b"\xff", b"\x80", b"\xe2\x82", b"\xc0\xaf", b"\xed\xa0\x80", b"caf\xc3\xa9", b"5"]),
+)
+_HEADERS = st.lists(st.tuples(st.sampled_from(_NAMES), _VALUES), max_size=6, unique_by=lambda h: h[0].replace(b"-", b"_"))
+
+
+@settings(max_examples=400, deadline=None)
+@given(_HEADERS)
+def test_strict_headers_reject_exactly_what_ray_cannot_decode(headers):
+    """Ray's own decoding code is the oracle: every header list it fails on is a 400 here (so Ray never
+    sees it), and with UTF-8 names, a 400 here only where Ray would fail."""
+    try:
+        _ray_reads(headers)
+        ray_fails = False
+    except UnicodeDecodeError:
+        ray_fails = True
+    rejected = undecodable_header(headers) is not None
+    if ray_fails:
+        assert rejected
+    names_decode = all(_decodes(name) for name, _ in headers)
+    if rejected and names_decode:
+        assert ray_fails
+    status, response_headers, body, reached = _run_asgi(StrictHeadersMiddleware, headers)
+    assert reached is not rejected
+    if rejected:
+        error = json.loads(body)["error"]
+        assert status == 400 and response_headers[b"content-type"] == b"application/json"
+        assert error["type"] == "BadRequestError" and error["code"] == 400 and "UTF-8" in error["message"]
+
+
+def _decodes(raw: bytes) -> bool:
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", [b"x-request-id", b"x-session-id", b"x-request-timeout-seconds", b"serve_multiplexed_model_id"])
+def test_a_raw_byte_in_a_header_ray_decodes_is_a_400_naming_it(name):
+    status, _, body, reached = _run_asgi(StrictHeadersMiddleware, [(b"host", b"h"), (name, b"a\xffb")])
+    assert (status, reached) == (400, False)
+    assert json.loads(body)["error"]["param"] == name.decode()
+    # Other headers keep their bytes (Starlette reads them as latin-1, as vLLM does).
+    assert _run_asgi(StrictHeadersMiddleware, [(b"user-agent", b"a\xffb"), (b"x-session-id", b"caf\xc3\xa9")])[:1] == (200,)
+
+
+def test_the_callback_ray_calls_returns_starlette_middleware():
+    from ray.serve._private.http_util import validate_http_proxy_callback_return
+
+    assert [m.cls for m in validate_http_proxy_callback_return(middlewares())] == [StrictHeadersMiddleware]
+
+
+def _deadline_app(**limits):
+    """BodyDeadlineMiddleware in front of a route that reads the body, with the Ingress's error handlers."""
+    from serve_app.ingress import _any_exception
+
+    app = FastAPI()
+    app.add_exception_handler(ApiError, _any_exception)
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict:
+        return {"bytes": len(await request.body())}
+
+    app.add_middleware(BodyDeadlineMiddleware, **limits)
+    return app
+
+
+def _post(app, chunks, gap_s: float, then_wait_s: float = 0.0):
+    """POST /echo with a body sent as ``chunks`` (``None`` forever: one byte at a time), ``gap_s`` apart.
+    Returns the response start, its body, and whether the body was complete when the answer began."""
+    sent: list = []
+    source = iter(chunks) if chunks is not None else iter(lambda: b"x", None)
+    state = {"complete": False}
+
+    async def receive():
+        if state["complete"]:
+            await asyncio.sleep(then_wait_s)
+            return {"type": "http.disconnect"}
+        await asyncio.sleep(gap_s)
+        chunk = next(source, None)
+        state["complete"] = chunk is None
+        return {"type": "http.request", "body": chunk or b"", "more_body": chunk is not None}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "body_complete": state["complete"]}
+        sent.append(message)
+
+    headers = [(b"content-type", b"application/json")]
+    scope = {"type": "http", "method": "POST", "path": "/echo", "root_path": "", "query_string": b"", "headers": headers}
+    asyncio.run(app(scope, receive, send))
+    start = sent[0]
+    return start, b"".join(m.get("body", b"") for m in sent[1:]), start["body_complete"]
+
+
+def test_a_trickled_body_is_a_408_and_the_connection_closes():
+    # One byte every 10 ms is 100 B/s, under the 1000 B/s asked for after 50 ms: answered while it still trickles.
+    start, body, complete = _post(_deadline_app(base_s=0.05, min_rate=1000), None, gap_s=0.01)
+    assert start["status"] == 408 and not complete
+    assert (b"connection", b"close") in start["headers"]
+    error = json.loads(body)["error"]
+    assert (error["type"], error["code"]) == ("RequestTimeoutError", 408) and "did not arrive in time" in error["message"]
+
+
+def test_a_body_that_keeps_coming_is_not_cut_and_a_finished_one_waits_freely():
+    # 10 kB a chunk: each buys 20 s at 500 B/s, far past any scheduling delay; after the body the route
+    # (and a stream waiting on disconnect) may take as long as it likes.
+    start, body, complete = _post(_deadline_app(base_s=0.05, min_rate=500), [b"x" * 10_000] * 20, gap_s=0.01, then_wait_s=0.2)
+    assert start["status"] == 200 and complete and json.loads(body) == {"bytes": 200_000}
+    assert (b"connection", b"close") not in start["headers"]

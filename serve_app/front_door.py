@@ -1,0 +1,157 @@
+"""The front door: what a request meets before the Ingress's routes run, and the limits set there.
+
+``make run`` puts HAProxy in front (``RAY_SERVE_ENABLE_HA_PROXY=1``): HAProxy forwards each request
+to an Ingress replica's own HTTP server (Ray's direct ingress, ``Replica._direct_ingress_asgi``),
+which runs Ray code, then our FastAPI app. Two gaps there are closed here; what Ray 2.60 does not
+let us set in HAProxy is in docs/operations.md, "Front door".
+
+* :func:`middlewares` is what ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` names (the Makefile's
+  ``SERVE_ENV``): Ray wraps the middlewares it returns around its replica HTTP server
+  (``ray/serve/_private/http_util.py``: ``configure_http_middlewares``, ``start_asgi_http_server``),
+  so :class:`StrictHeadersMiddleware` runs before Ray decodes any header.
+* :class:`BodyDeadlineMiddleware` is in the Ingress's own stack: a body has to keep arriving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from ray.serve._private.constants import (
+    SERVE_HTTP_REQUEST_DISCONNECT_DISABLED_HEADER,
+    SERVE_HTTP_REQUEST_ID_HEADER,
+    SERVE_HTTP_REQUEST_TIMEOUT_S_HEADER,
+    SERVE_MULTIPLEXED_MODEL_ID,
+    SERVE_SESSION_ID,
+)
+
+from serve_app.errors import ApiError, BadRequestError, error_body
+from serve_app.limits import send_json
+
+__all__ = ["BodyDeadlineMiddleware", "RequestTimeoutError", "StrictHeadersMiddleware", "middlewares", "undecodable_header"]
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("-", "_")
+
+
+# The header values Ray 2.60's replica decodes as strict UTF-8 before any app code, where a stray byte
+# is an uncaught UnicodeDecodeError, i.e. uvicorn's plain-text 500 (replica.py, _direct_ingress_asgi
+# and get_asgi_tracing_context; http_util.py, parse_*_header). Ray matches the session and multiplexed
+# ids with '-' and '_' alike, so all are compared that way; Ray's own constants keep the names in step
+# (RAY_SERVE_SESSION_ID_HEADER_KEY renames the session header).
+_STRICT = frozenset(
+    _norm(n)
+    for n in (
+        SERVE_HTTP_REQUEST_ID_HEADER,
+        SERVE_HTTP_REQUEST_TIMEOUT_S_HEADER,
+        SERVE_HTTP_REQUEST_DISCONNECT_DISABLED_HEADER,
+        SERVE_SESSION_ID,
+        SERVE_MULTIPLEXED_MODEL_ID,
+        "traceparent",  # decoded when tracing is on
+        "tracestate",
+    )
+)
+
+
+def undecodable_header(headers: Any) -> tuple[str | None, str] | None:
+    """The first header Ray would fail to decode, as ``(name or None, message)``; None if there is none.
+
+    Every name (Ray decodes names while looking for its own headers) and the values in ``_STRICT``.
+    Other values stay bytes to Ray and latin-1 to Starlette, as in vLLM: they pass.
+    """
+    for raw_name, raw_value in headers:
+        try:
+            name = raw_name.decode()
+        except UnicodeDecodeError:
+            return None, "A request header name is not valid UTF-8."
+        if _norm(name) in _STRICT:
+            try:
+                raw_value.decode()
+            except UnicodeDecodeError:
+                return name, f"The {name} header is not valid UTF-8."
+    return None
+
+
+class StrictHeadersMiddleware:
+    """vLLM's 400 envelope for a header Ray would fail to decode, before Ray reads it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and (bad := undecodable_header(scope.get("headers", ()))):
+            name, message = bad
+            await send_json(send, 400, error_body(message, BadRequestError.err_type, 400, name))
+            return
+        await self.app(scope, receive, send)
+
+
+def middlewares() -> list[Any]:
+    """``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=serve_app.front_door.middlewares``: called by Ray in
+    each process that starts an HTTP server (every ingress replica, and Serve's Python proxy)."""
+    from starlette.middleware import Middleware
+
+    return [Middleware(StrictHeadersMiddleware)]
+
+
+class RequestTimeoutError(ApiError):
+    status_code = 408
+    err_type = "RequestTimeoutError"
+
+
+# Apache mod_reqtimeout's default body rule (body=20,MinRate=500): 20 s for the body, one more second
+# for every 500 bytes received. A 32 MiB body (limits.max_body_bytes) needs ~500 B/s on average.
+BODY_BASE_S = 20.0
+BODY_MIN_RATE = 500  # bytes per second
+
+
+class BodyDeadlineMiddleware:
+    """A 408 in vLLM's envelope, and the connection closed, for a request body that stops arriving.
+
+    The body gets ``base_s`` seconds plus one second per ``min_rate`` bytes received, counted from
+    when the request reached this replica. HAProxy, as Ray 2.60 configures it, bounds only client
+    inactivity (``timeout client``), so a client trickling its body would otherwise hold the
+    connection and an Ingress request slot for as long as it likes. Once the body is complete
+    nothing is bounded here (a stream then waits on the client's disconnect).
+    """
+
+    def __init__(self, app: Any, base_s: float = BODY_BASE_S, min_rate: float = BODY_MIN_RATE) -> None:
+        self.app = app
+        self.base_s = base_s
+        self.min_rate = min_rate
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        received = 0
+        complete = timed_out = False
+
+        async def deadline_receive() -> dict[str, Any]:
+            nonlocal received, complete, timed_out
+            if complete:
+                return await receive()
+            remaining = start + self.base_s + received / self.min_rate - time.monotonic()
+            try:
+                async with asyncio.timeout(remaining):  # no extra task, unlike wait_for: this is every request
+                    message = await receive()
+            except TimeoutError:
+                timed_out = True
+                raise RequestTimeoutError(
+                    f"The request body did not arrive in time ({received} bytes in {time.monotonic() - start:.0f} s); "
+                    f"send it at {self.min_rate:.0f} bytes/s or more after the first {self.base_s:.0f} s."
+                ) from None
+            received += len(message.get("body", b""))
+            complete = not (message["type"] == "http.request" and message.get("more_body", False))
+            return message
+
+        async def closing_send(message: dict[str, Any]) -> None:
+            # The rest of a timed-out body would follow on this connection: close it after the 408.
+            if timed_out and message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, deadline_receive, closing_send)
