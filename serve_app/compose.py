@@ -46,6 +46,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+RETRY_LOG = "sent again to another Engine replica"  # logged on each retry (tests/integration/test_engine_failover.py reads it)
 
 ENGINE_ATTEMPTS = 3
 """Tries per engine call (and per stream, up to its first chunk). A call whose Engine replica died
@@ -202,10 +203,10 @@ class ComposedService:
             try:
                 return await within(self.stages.generate(gen), None, "Engine", self.stages.engine_routable)
             except Exception as exc:
-                _retry_or_raise(exc, attempt, gen)
+                _retry_or_raise(exc, attempt, gen["request_id"])
         raise AssertionError("unreachable")
 
-    async def _first_chunk(self, open_stream: Callable[[], AsyncIterator[T]]) -> AsyncIterator[T]:
+    async def _first_chunk(self, open_stream: Callable[[], AsyncIterator[T]], request_id: str) -> AsyncIterator[T]:
         """A stream from ``open_stream()``, its first chunk awaited (an error before it is still a
         status code); opened again, on another replica, when its replica died before that chunk."""
         for attempt in range(1, ENGINE_ATTEMPTS + 1):
@@ -213,7 +214,7 @@ class ComposedService:
                 _, chunks = await within(peek(open_stream()), self.first_chunk_timeout_s, "Engine", self.stages.engine_routable)
                 return chunks
             except Exception as exc:
-                _retry_or_raise(exc, attempt, None)
+                _retry_or_raise(exc, attempt, request_id)
         raise AssertionError("unreachable")
 
     # --- chat -----------------------------------------------------------------------------------
@@ -242,7 +243,7 @@ class ComposedService:
             }
             # A big response decodes (and, with parsers, parses) off this event loop.
             return await self.chat_derender.chat_async(whole)
-        chunks = await self._first_chunk(lambda: self.stages.generate_stream(gen))
+        chunks = await self._first_chunk(lambda: self.stages.generate_stream(gen), gen["request_id"])
         return self._chat_chunks(body, gen, chunks)
 
     async def _chat_chunks(
@@ -291,7 +292,7 @@ class ComposedService:
         usage_wanted = bool((body.get("stream_options") or {}).get("include_usage"))
         if len(gens) > 1:  # one usage chunk for all prompts, summed here (each engine would send its own)
             gens = [{**g, "stream_options": None} for g in gens]
-        merged = await self._first_chunk(lambda: merge([self.stages.generate_stream(g) for g in gens]))
+        merged = await self._first_chunk(lambda: merge([self.stages.generate_stream(g) for g in gens]), _base_id(gens, gens[0]))
         return self._completion_chunks(body, gens, merged, usage_wanted and len(gens) > 1)
 
     async def _completion_chunks(
@@ -336,11 +337,10 @@ class ComposedService:
             await merged.aclose()  # type: ignore[attr-defined]
 
 
-def _retry_or_raise(exc: Exception, attempt: int, gen: dict[str, Any] | None) -> None:
+def _retry_or_raise(exc: Exception, attempt: int, request_id: str) -> None:
     if attempt >= ENGINE_ATTEMPTS or not replica_gone(exc):
         raise exc
-    rid = gen["request_id"] if gen else "stream"
-    logger.warning("engine replica of %s went away (%s); sent again to another replica", rid, type(exc).__name__)
+    logger.warning("%s: %s, its engine replica went away; %s", request_id, type(exc).__name__, RETRY_LOG)
 
 
 def _in_band_error(exc: Exception, request_id: str) -> dict[str, Any]:
