@@ -22,14 +22,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["APP", "KINDS", "Run", "app_config", "engine_replicas", "fault_run", "request", "retried_request_ids", "run_request"]
+__all__ = [
+    "APP",
+    "KINDS",
+    "Run",
+    "app_config",
+    "engine_replicas",
+    "fault_run",
+    "request",
+    "retried_request_ids",
+    "run_request",
+    "wait_engines",
+]
 
 APP = "failover"
 KINDS = ("chat", "chat_stream", "completion", "completion_stream")
 SCRIPTED_LOGITS_PROCESSOR = "serve_app.testing.scripted:ScriptedOutputLogitsProcessor"
 PROMPT = "Weather in Paris and Tokyo?"
-# ~250 tokens: long enough to be in flight when the replica is killed, short enough for a 2 s retry.
-ANSWER = "The weather in Paris is mild, and in 東京 it rains 🌧. " * 16
+SENTENCE = "The weather in Paris is mild, and in 東京 it rains 🌧. "  # ~16 tokens
 
 
 def app_config(route_prefix: str, replicas: int = 2, kv_cache_bytes: int = 128 << 20) -> dict[str, Any]:
@@ -66,9 +76,22 @@ def engine_replicas() -> dict[str, tuple[str, int | None]]:
     return {r["replica_id"]: (str(getattr(r["state"], "value", r["state"])), r.get("pid")) for r in replicas}
 
 
-def request(kind: str, tok: Any) -> tuple[str, dict[str, Any]]:
-    """``(path, body)`` of one scripted request of ``kind``."""
-    script = tok.encode(ANSWER) + [tok.convert_tokens_to_ids("<|im_end|>")]
+def wait_engines(n: int, dead: set[str] | frozenset[str] = frozenset(), timeout_s: float = 900) -> dict[str, int | None]:
+    """Until ``n`` Engine replicas are RUNNING, none of them in ``dead`` (the controller lists a killed
+    replica as RUNNING until it notices); returns ``{replica id: pid}``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = {rid: pid for rid, (state, pid) in engine_replicas().items() if state == "RUNNING" and rid not in dead}
+        if len(running) == n and len(running) == sum(state == "RUNNING" for state, _ in engine_replicas().values()):
+            return running
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"want {n} Engine replicas RUNNING: {engine_replicas()}")
+        time.sleep(1)
+
+
+def request(kind: str, tok: Any, sentences: int = 16) -> tuple[str, dict[str, Any]]:
+    """``(path, body)`` of one scripted request of ``kind``, its answer ``sentences`` sentences long."""
+    script = tok.encode(SENTENCE * sentences) + [tok.convert_tokens_to_ids("<|im_end|>")]
     body: dict[str, Any] = {"model": "qwen3-tiny", "max_tokens": len(script) + 8, "vllm_xargs": {"scripted_output": script}}
     body["stream"] = kind.endswith("_stream")
     if kind.startswith("chat"):
@@ -159,11 +182,13 @@ def run_request(base: str, kind: str, body: dict[str, Any], path: str, on_frame:
         return run
 
 
-def fault_run(base: str, tok: Any, victim_pid: int, per_kind: int = 3, frames_before_kill: int = 3) -> tuple[list[Run], float]:
+def fault_run(
+    base: str, tok: Any, victim_pid: int, per_kind: int = 3, sentences: int = 16, frames_before_kill: int = 3
+) -> tuple[list[Run], float]:
     """``per_kind`` requests of every kind at once; once every stream has ``frames_before_kill``
     frames (the engines are generating, the whole requests with them), SIGKILL ``victim_pid``. A cut
     stream is retried once, at once. Returns the runs and the moment of the kill (``time.monotonic``)."""
-    jobs = [(kind, *request(kind, tok)) for kind in KINDS for _ in range(per_kind)]
+    jobs = [(kind, *request(kind, tok, sentences)) for kind in KINDS for _ in range(per_kind)]
     streams = sum(1 for _, _, body in jobs if body["stream"])
     generating = threading.Semaphore(0)
 
