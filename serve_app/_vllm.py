@@ -281,6 +281,34 @@ class EngineState:
         self.engine_client.shutdown()
 
 
+def _executor_backend(args: AppArgs, engine_args: Any) -> Any:
+    """Several workers: Ray actors in this replica's placement group on GPU, local processes on CPU
+    (``serve_app.placement``, as Ray Serve LLM); one worker: vLLM's own default."""
+    from serve_app.placement import engine_accelerator, executor_backend
+
+    parallel = {
+        "tensor_parallel_size": engine_args.tensor_parallel_size,
+        "pipeline_parallel_size": engine_args.pipeline_parallel_size,
+        "distributed_executor_backend": engine_args.distributed_executor_backend,
+    }
+    return executor_backend(parallel, engine_accelerator(args.engine.accelerator))
+
+
+def _join_placement_group(vllm_config: Any) -> None:
+    """Ray workers go into the replica's placement group (Serve made it from the deployment's bundles).
+    vLLM's EngineCore is a child process outside it, so it must be told (Ray Serve LLM's
+    ``_start_async_llm_engine``); and it reads the GPUs afresh (vLLM caches a capability read earlier)."""
+    if vllm_config.parallel_config.distributed_executor_backend != "ray":
+        return
+    import ray.util
+    from vllm.platforms import current_platform
+
+    vllm_config.parallel_config.placement_group = ray.util.get_current_placement_group()
+    cache_clear = getattr(current_platform.get_device_capability, "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
+
+
 async def build_engine_state(args: AppArgs, model: ResolvedModel) -> EngineState:
     """Start an ``AsyncLLM`` and the app state exactly as ``vllm serve --tokens-only`` does
     (``build_async_engine_client_from_engine_args`` + ``init_app_state``), minus the HTTP server."""
@@ -297,7 +325,9 @@ async def build_engine_state(args: AppArgs, model: ResolvedModel) -> EngineState
     ns = parser.parse_args(engine_cli_args(args, model))
     validate_parsed_serve_args(ns)
     engine_args = AsyncEngineArgs.from_cli_args(ns)
+    engine_args.distributed_executor_backend = _executor_backend(args, engine_args)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    _join_placement_group(vllm_config)
     engine = AsyncLLM.from_vllm_config(
         vllm_config=vllm_config,
         usage_context=UsageContext.OPENAI_API_SERVER,

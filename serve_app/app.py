@@ -59,5 +59,9 @@ def build_app(args: AppArgs) -> Application:
     if args.engine.enabled:
         from serve_app.engine import Engine
 
-        engine = bind(Engine, options.engine, args, model)
+        # Its placement group holds the replica's own resources: built over the merged options.
+        deployment: Any = Engine
+        shell = deployment.func_or_class
+        engine_options = shell.with_placement(args, merge_options(shell.deployment_options(args), options.engine))
+        engine = deployment.options(**engine_options).bind(args, model)
     return bind(Ingress, options.ingress, args, model, render, plain, parser, engine=engine)

@@ -23,11 +23,11 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from serve_app.derender.stop import engine_stop_reason
 from serve_app.errors import envelope
-from serve_app.health import routable
+from serve_app.health import replica_gone, routable
 from serve_app.streaming import cancel_on_close, peek
 from serve_app.timeouts import within
 from serve_app.wire import stream_flag
@@ -44,6 +44,14 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RETRY_LOG = "sent again to another Engine replica"  # logged on each retry (tests/integration/test_engine_failover.py reads it)
+
+ENGINE_ATTEMPTS = 3
+"""Tries per engine call (and per stream, up to its first chunk). A call whose Engine replica died
+under it goes at once to another replica instead of failing, or waiting for the replacement; with
+none left it is the 503 of :func:`serve_app.timeouts.within`."""
 
 
 class DerenderStream(Protocol):
@@ -187,6 +195,28 @@ class ComposedService:
         for choice in choices:
             engine_stop_reason(choice, self.eos_token_id, stop_ids)
 
+    # --- the engine: a replica that died is replaced by another at once --------------------------
+
+    async def _generate(self, gen: dict[str, Any]) -> bytes:
+        """One non-streaming generation (``GenerateTokensResponse`` JSON)."""
+        for attempt in range(1, ENGINE_ATTEMPTS + 1):
+            try:
+                return await within(self.stages.generate(gen), None, "Engine", self.stages.engine_routable)
+            except Exception as exc:
+                _retry_or_raise(exc, attempt, gen["request_id"])
+        raise AssertionError("unreachable")
+
+    async def _first_chunk(self, open_stream: Callable[[], AsyncIterator[T]], request_id: str) -> AsyncIterator[T]:
+        """A stream from ``open_stream()``, its first chunk awaited (an error before it is still a
+        status code); opened again, on another replica, when its replica died before that chunk."""
+        for attempt in range(1, ENGINE_ATTEMPTS + 1):
+            try:
+                _, chunks = await within(peek(open_stream()), self.first_chunk_timeout_s, "Engine", self.stages.engine_routable)
+                return chunks
+            except Exception as exc:
+                _retry_or_raise(exc, attempt, request_id)
+        raise AssertionError("unreachable")
+
     # --- chat -----------------------------------------------------------------------------------
 
     async def chat(self, body: dict[str, Any], request_id: str | None = None) -> bytes | AsyncIterator[dict[str, Any]]:
@@ -202,7 +232,7 @@ class ComposedService:
         gen = _no_detokenize(json.loads(rendered))
         prompt_ids = gen["token_ids"]
         if not stream:
-            response = json.loads(await within(self.stages.generate(gen), None, "Engine", self.stages.engine_routable))
+            response = json.loads(await self._generate(gen))
             response["request_id"] = gen["request_id"]
             self._fix_stop_reason(response["choices"], gen)
             whole = {
@@ -213,8 +243,7 @@ class ComposedService:
             }
             # A big response decodes (and, with parsers, parses) off this event loop.
             return await self.chat_derender.chat_async(whole)
-        first = peek(self.stages.generate_stream(gen))
-        _, chunks = await within(first, self.first_chunk_timeout_s, "Engine", self.stages.engine_routable)
+        chunks = await self._first_chunk(lambda: self.stages.generate_stream(gen), gen["request_id"])
         return self._chat_chunks(body, gen, chunks)
 
     async def _chat_chunks(
@@ -245,8 +274,7 @@ class ComposedService:
         rendered = await within(rendering, self.render_timeout_s, "Render", self.stages.render_routable)
         gens = [_no_detokenize(g) for g in json.loads(rendered)]
         if not stream:
-            generated = _gather_or_cancel([self.stages.generate(g) for g in gens])
-            responses = await within(generated, None, "Engine", self.stages.engine_routable)
+            responses = await _gather_or_cancel([self._generate(g) for g in gens])
             parsed = []
             for gen, raw in zip(gens, responses, strict=True):
                 response = json.loads(raw)
@@ -264,8 +292,7 @@ class ComposedService:
         usage_wanted = bool((body.get("stream_options") or {}).get("include_usage"))
         if len(gens) > 1:  # one usage chunk for all prompts, summed here (each engine would send its own)
             gens = [{**g, "stream_options": None} for g in gens]
-        streams = [self.stages.generate_stream(g) for g in gens]
-        _, merged = await within(peek(merge(streams)), self.first_chunk_timeout_s, "Engine", self.stages.engine_routable)
+        merged = await self._first_chunk(lambda: merge([self.stages.generate_stream(g) for g in gens]), _base_id(gens, gens[0]))
         return self._completion_chunks(body, gens, merged, usage_wanted and len(gens) > 1)
 
     async def _completion_chunks(
@@ -308,6 +335,12 @@ class ComposedService:
             yield _in_band_error(exc, request_id)
         finally:
             await merged.aclose()  # type: ignore[attr-defined]
+
+
+def _retry_or_raise(exc: Exception, attempt: int, request_id: str) -> None:
+    if attempt >= ENGINE_ATTEMPTS or not replica_gone(exc):
+        raise exc
+    logger.warning("%s: %s, its engine replica went away; %s", request_id, type(exc).__name__, RETRY_LOG)
 
 
 def _in_band_error(exc: Exception, request_id: str) -> dict[str, Any]:

@@ -10,8 +10,10 @@ dicts) and an abort.
 Cancellation: a cancelled call (client disconnect, ``DeploymentResponseGenerator.cancel()``) raises
 ``CancelledError`` inside vLLM's result generator, and ``AsyncLLM.generate`` aborts the request.
 
-On a GPU cluster the deployment takes ``ray_actor_options: {num_gpus: 1}`` (``configs/``); here it
-runs on vLLM's CPU backend.
+On a GPU cluster one engine takes ``ray_actor_options: {num_gpus: 1}`` (``configs/``), or with
+``tensor_parallel_size`` / ``pipeline_parallel_size`` a placement group of one GPU per worker
+(:mod:`serve_app.placement`); here it runs on vLLM's CPU backend. Several replicas are data
+parallel; the composed path moves a request whose replica died to another one (serve_app/compose.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ray import serve
 from serve_app._vllm import call_vllm
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import ApiError, BadRequestError
+from serve_app.placement import placement_options
 from serve_app.wire import dump_json, load_body, validate_model
 
 __all__ = ["Engine", "EngineService", "EngineStreamError"]
@@ -174,12 +177,23 @@ class Engine:
             "max_ongoing_requests": max(64, 4 * args.engine.max_num_seqs),
             # Bounded per caller: past it the Ingress answers 503 + Retry-After instead of queueing forever.
             "max_queued_requests": max(64, 4 * args.engine.max_num_seqs),
+            # One replica unless raised: `autoscaling_config: {max_replicas: N}` under deployments.engine
+            # autoscales on requests in flight, a full running batch per replica; min = max for a fixed count.
+            "autoscaling_config": {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": args.engine.max_num_seqs},
             "ray_actor_options": {"num_cpus": 1},
             "health_check_period_s": 10,
             "health_check_timeout_s": 30,
             # Starting an engine (weights, KV cache, warm-up) takes far longer than a CPU stage.
             "graceful_shutdown_timeout_s": 30,
         }
+
+    @staticmethod
+    def with_placement(args: AppArgs, options: dict[str, Any]) -> dict[str, Any]:
+        """``options`` (defaults with the user's merged over them) plus the placement group the engine's
+        tensor / pipeline parallel workers need (:mod:`serve_app.placement`); its bundle 0 holds the
+        replica's own ``ray_actor_options``, so it is built from the merged options."""
+        eng = args.engine
+        return placement_options(options, eng.vllm_args(), eng.accelerator, eng.placement_group_strategy)
 
     async def __init__(self, args: AppArgs, model: ResolvedModel) -> None:  # type: ignore[misc]  # Serve awaits it
         self.service = await EngineService.create(args, model)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DeploymentHealth", "StageHealth", "fetch_serve_status", "routable", "routable_replicas"]
+__all__ = ["DeploymentHealth", "StageHealth", "fetch_serve_status", "replica_gone", "routable", "routable_replicas"]
 
 
 def routable_replicas(handle: Any) -> int | None:
@@ -38,6 +38,15 @@ def routable(stage: Any) -> Callable[[], bool] | None:
     if getattr(stage, "deployment_name", None) is None:
         return None
     return lambda: routable_replicas(stage) != 0
+
+def replica_gone(exc: BaseException) -> bool:
+    """Whether a call failed because its replica's actor died or became unreachable (Ray's
+    ``RayActorError`` family: ``ActorDiedError``, ``ActorUnavailableError``), so it can go to another
+    replica. The router has then dropped that replica (``on_replica_actor_died``) or will probe it
+    before using it again. Matched by name, so this module needs no Ray import."""
+    exc = getattr(exc, "cause", None) or exc  # a RayTaskError carries the original as ``cause``
+    return any(cls.__name__ == "RayActorError" for cls in type(exc).__mro__)
+
 
 _READY = frozenset({"HEALTHY", "UPSCALING", "DOWNSCALING"})  # Serve's DeploymentStatus values that are ready
 
