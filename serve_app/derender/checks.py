@@ -26,8 +26,20 @@ __all__ = [
     "check_size",
     "check_stream_chunk",
     "check_stream_window",
+    "output_ids",
     "output_work",
 ]
+
+
+def output_ids(choice: Any, where: str = "") -> list[int]:
+    """A whole choice's token ids: none is vLLM's 400, except for an abort that landed before the
+    first token, which is a finished choice with no text (``finish_reason: "abort"``), as a stream's
+    finish-only chunk is. ``where`` places the choice in the message (`` in response <id>``)."""
+    if choice.token_ids:
+        return list(choice.token_ids)
+    if choice.finish_reason == "abort":
+        return []
+    raise BadRequestError(f"choice {choice.index}{where} has empty or null token_ids")
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,7 @@ from serve_app.derender.checks import (
     check_size,
     check_stream_chunk,
     check_stream_window,
+    output_ids,
     output_work,
 )
 from serve_app.derender.detokenize import detokenize_delta, seed_window
@@ -59,7 +60,7 @@ from serve_app.derender.plain_service import OFFLOAD_WORK, run_off_loop
 from serve_app.derender.responses import chat_chunk, chat_response, stream_state, stream_usage, usage
 from serve_app.derender.sessions import SessionCache, prompt_key, state_digest
 from serve_app.derender.stop import StopTokens
-from serve_app.errors import ApiError, BadRequestError, validation_error
+from serve_app.errors import ApiError, BadRequestError, invalid_request, validation_error
 from serve_app.protocol import (
     DerenderChatRequestUnion,
     DerenderChatStreamRequest,
@@ -77,7 +78,9 @@ _CHAT = TypeAdapter(DerenderChatRequestUnion)
 _STREAM_CHUNK = TypeAdapter(GenerateTokensStreamResponse)
 _CONFIG_CACHE_SIZE = 1024
 _MAX_REQUEST_BYTES = 32 << 20  # the default of serve_app.config.ParserSessionArgs.max_request_bytes
-_FINISHED = -1  # the choice index under which a finished stream's session waits for its usage chunk
+# The "choice index" under which a finished stream's session waits for its usage chunk: not an int,
+# so that no chunk's own index (-1 is valid JSON, and vLLM echoes it) reaches another stream's session.
+_FINISHED = None
 # What replaying one carried token costs (a parse_delta call per chunk, its decode, the parser's
 # Python), in units of OFFLOAD_WORK's (a token decoded, ~2 us). Measured with qwen3 + hermes:
 # ~12 us a token carried in one-token chunks, 4-5 us in chunks of 4-16 (vLLM's replay: 112 ms at
@@ -203,6 +206,14 @@ def _json_size(model: Any) -> int:
         return len(json.dumps(model.model_dump(warnings=False), default=str))
 
 
+def _response_role(request: Any) -> str:
+    """``vllm serve``'s response role: the last message's when it continues it (no generation
+    prompt). With no message to continue (``messages: []``), vLLM's derender's: ``"assistant"``."""
+    last = request.messages[-1] if not request.add_generation_prompt and request.messages else None
+    role = last.get("role") if isinstance(last, dict) else None
+    return role if isinstance(role, str) else "assistant"
+
+
 def _echo_text(request: Any, role: str) -> str:
     """``vllm serve``'s echo: the last message's text when it has the response's role."""
     if not request.echo or not request.messages:
@@ -253,12 +264,12 @@ class ParserDerenderService:
         except ValidationError as exc:
             error = validation_error(exc.errors(include_url=False), loc_prefix=("body", "chat_request"))
             raise _InvalidChatRequest(error) from None
-        except Exception as exc:  # vLLM's own request checks (e.g. tool_choice without tools)
-            raise kit.api_error(exc) from None
+        except Exception as exc:  # vLLM's validators crashing on the request's shape: its error, a 400
+            raise invalid_request(exc) from None
         template_kwargs = kit.chat_template_kwargs(request)
         request = kit.adjust_request(request, template_kwargs)
         tool_choice = request.tool_choice
-        role = "assistant" if request.add_generation_prompt else request.messages[-1]["role"]
+        role = _response_role(request)
         echo = _echo_text(request, role)
         request = kit.without_messages(request)  # the bulk of a request, which parsers need only a count of
         config = RequestConfig(
@@ -380,10 +391,8 @@ class ParserDerenderService:
     def _whole_choice(self, choice: Any, config: RequestConfig, prompt_ids: list[int]) -> tuple[dict[str, Any], int]:
         """One choice as ``vllm serve``'s ``chat_completion_full_generator`` builds it, and its
         reasoning-token count."""
-        if not choice.token_ids:
-            raise BadRequestError(f"choice {choice.index} has empty or null token_ids")
         kit, request = self.kit, config.request
-        ids = choice.token_ids
+        ids = output_ids(choice)
         text_ids = config.stops.text_ids(ids, choice.finish_reason, choice.stop_reason)
         skip = config.skip_special_tokens
         tok = self.model.tok
@@ -506,7 +515,7 @@ class ParserDerenderService:
         return out_chunk, out_state, o.outcome
 
     def _take(
-        self, config: RequestConfig, prompt_ids: list[int], state: DerenderStreamState, stream_key: tuple[str, int]
+        self, config: RequestConfig, prompt_ids: list[int], state: DerenderStreamState, stream_key: tuple[str, int | None]
     ) -> ParserSession | None:
         prompt = prompt_key(prompt_ids)
         key = _digest(
@@ -548,7 +557,7 @@ class _OpenChunk:
     state: DerenderStreamState
     session: ParserSession | None  # a hit (or, usage-only, the finished stream's session)
     replay: bool  # no session: one is built from the carried history first (a miss, or a new stream)
-    stream_key: tuple[str, int] | None  # None: a usage-only chunk, whose session is not filed again
+    stream_key: tuple[str, int | None] | None  # None: a usage-only chunk, whose session is not filed again
     outcome: SessionOutcome
 
     @property
@@ -573,7 +582,7 @@ def _digest(
     prompt: bytes,
     output_ids: list[int],
     chunk_lens: list[int],
-    stream_key: tuple[str, int],
+    stream_key: tuple[str, int | None],
     role_sent: bool,
     tools_streamed: bool,
     tool_call_ids: list[str],
@@ -610,7 +619,7 @@ class ChatStream:
     ) -> ChatStream:
         return cls(service.kit, service.model.tok, config, model, prompt_tokens, session, carried)
 
-    def key(self, stream_key: tuple[str, int]) -> bytes:
+    def key(self, stream_key: tuple[str, int | None]) -> bytes:
         """The cache key the state this stream just returned will be looked up under."""
         assert self.session is not None
         s = self.session

@@ -32,6 +32,7 @@ from serve_app.derender.checks import (
     check_size,
     check_stream_chunk,
     check_stream_window,
+    output_ids,
 )
 from serve_app.derender.detokenize import DetokWindow, detokenize_delta, seed_window
 from serve_app.derender.logprobs import context_tail, resolve_logprobs, to_completion_logprobs
@@ -177,10 +178,9 @@ class PlainDerenderService:
         stops = self.model.stop_tokens(request.chat_request)
         choices = []
         for choice in gen.choices:
-            if not choice.token_ids:
-                raise BadRequestError(f"choice {choice.index} has empty or null token_ids")
+            ids = output_ids(choice)
             logprobs = resolve_logprobs(choice.logprobs, self.tok) if choice.logprobs is not None else None
-            text_ids = stops.text_ids(choice.token_ids, choice.finish_reason, choice.stop_reason)
+            text_ids = stops.text_ids(ids, choice.finish_reason, choice.stop_reason)
             text, _ = detokenize_delta(self.tok, text_ids, seed, skip)
             choices.append(
                 {
@@ -274,11 +274,8 @@ class PlainDerenderService:
         for gen, pt, seed_ids in zip(responses, prompt_tokens, seeds, strict=True):
             seed = seed_window(self.tok, seed_ids if seed_ids is not None else gen.prompt_token_ids, skip)
             for choice in gen.choices:
-                if not choice.token_ids:
-                    raise BadRequestError(
-                        f"choice {choice.index} in response {gen.request_id} has empty or null token_ids"
-                    )
-                text_ids = stops.text_ids(choice.token_ids, choice.finish_reason, choice.stop_reason)
+                ids = output_ids(choice, f" in response {gen.request_id}")
+                text_ids = stops.text_ids(ids, choice.finish_reason, choice.stop_reason)
                 text, _ = detokenize_delta(self.tok, text_ids, seed, skip)
                 logprobs = (
                     to_completion_logprobs(resolve_logprobs(choice.logprobs, self.tok))
