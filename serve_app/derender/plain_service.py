@@ -295,7 +295,7 @@ class PlainDerenderService:
                         "routed_experts": None,
                     }
                 )
-                total_completion += len(choice.token_ids)
+                total_completion += len(ids)
             total_prompt += pt
         return completion_response(responses, model, choices, usage(total_prompt, total_completion))
 
