@@ -40,7 +40,6 @@ CHAT_REQUEST: dict[str, Any] = {
     "logprobs": True,
     "top_logprobs": 2,
     "chat_template_kwargs": {"enable_thinking": False},
-    "stream_options": {"include_usage": True},
 }
 PARSER_STATE = {  # what the parser path carries after one chunk of two tokens
     "prev_tokens": [],
@@ -106,10 +105,9 @@ ROUTES: dict[str, dict[str, Any]] = {
     },
     "/inference/v1/generate": {
         "token_ids": PROMPT, "sampling_params": {"max_tokens": 2, "temperature": 0, "stop_token_ids": [151645]},
-        "stream_options": {"include_usage": True},
     },
     "/v1/chat/completions": {**CHAT_REQUEST, "max_tokens": 2, "temperature": 0},
-    "/v1/completions": {"prompt": "Hi", "max_tokens": 2, "temperature": 0, "stream_options": {"include_usage": True}},
+    "/v1/completions": {"prompt": "Hi", "max_tokens": 2, "temperature": 0, "logprobs": 2},
     "/abort_requests": {"request_ids": ["fuzz-none"]},
 }
 STREAM_ROUTES: dict[str, dict[str, Any]] = {  # the derender stream bodies (same paths, "stream": true)

@@ -88,6 +88,13 @@ FUZZ = settings(
 )
 
 
+@pytest.mark.parametrize(("route", "body"), IN_PROCESS, ids=[f"{r}{' stream' if b.get('stream') else ''}" for r, b in IN_PROCESS])
+def test_every_example_body_is_valid(loop, services, route, body):
+    """What the generators below mutate is a request the route answers: a 4xx is the mutation's doing."""
+    status, answer = _answer(loop, services, route, body)
+    assert status == 200, answer
+
+
 # --- 1. request text in vLLM's error messages ---------------------------------------------------------
 
 
