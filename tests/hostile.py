@@ -106,7 +106,8 @@ ROUTES: dict[str, dict[str, Any]] = {
     "/inference/v1/generate": {
         "token_ids": PROMPT, "sampling_params": {"max_tokens": 2, "temperature": 0, "stop_token_ids": [151645]},
     },
-    "/v1/chat/completions": {**CHAT_REQUEST, "max_tokens": 2, "temperature": 0},
+    # (no stop strings: the tokens-only engine refuses them, as vLLM's)
+    "/v1/chat/completions": {**{k: v for k, v in CHAT_REQUEST.items() if k != "stop"}, "max_tokens": 2, "temperature": 0},
     "/v1/completions": {"prompt": "Hi", "max_tokens": 2, "temperature": 0, "logprobs": 2},
     "/abort_requests": {"request_ids": ["fuzz-none"]},
 }
