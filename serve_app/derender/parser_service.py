@@ -56,7 +56,7 @@ from serve_app.derender.checks import (
 )
 from serve_app.derender.detokenize import detokenize_delta, seed_window
 from serve_app.derender.logprobs import context_tail, resolve_logprobs
-from serve_app.derender.plain_service import OFFLOAD_WORK, run_off_loop
+from serve_app.derender.plain_service import OFFLOAD_WORK, run_off_loop, stop_if_caller_gone
 from serve_app.derender.responses import chat_chunk, chat_response, stream_state, stream_usage, usage
 from serve_app.derender.sessions import SessionCache, prompt_key, state_digest
 from serve_app.derender.stop import StopTokens
@@ -396,6 +396,7 @@ class ParserDerenderService:
     def _whole_choice(self, choice: Any, config: RequestConfig, prompt_ids: list[int]) -> tuple[dict[str, Any], int]:
         """One choice as ``vllm serve``'s ``chat_completion_full_generator`` builds it, and its
         reasoning-token count."""
+        stop_if_caller_gone()
         kit, request = self.kit, config.request
         ids = output_ids(choice)
         text_ids = config.stops.text_ids(ids, choice.finish_reason, choice.stop_reason)

@@ -255,3 +255,32 @@ def test_prompt_logprobs_count_against_the_logprob_bound(service):
     limits = DerenderLimits(4096, 20, 16384, max_logprob_entries=200)  # 11 positions + 10 x 20 candidates
     with pytest.raises(ApiError, match="logprobs entries count \\(211\\)"):
         check_size(body, limits)
+
+
+def test_a_cancelled_request_stops_decoding_in_the_worker(service, monkeypatch):
+    """Issue 19: a client that went away (its request's coroutine cancelled) stops the decoding it
+    started: the next job in the worker thread runs after fewer than all of its choices decoded."""
+    from serve_app.derender import plain_service
+
+    decoded: list[int] = []
+    real = plain_service.detokenize_delta
+
+    def counted(*args, **kwargs):
+        decoded.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plain_service, "detokenize_delta", counted)
+    n = 16384
+    gen = {"request_id": "big", "choices": [{"index": i, "token_ids": [9707]} for i in range(n)]}
+    big = json.dumps(_body("chat", False, gen)).encode()
+
+    async def run() -> int:
+        task = asyncio.create_task(service.chat_async(big))
+        await asyncio.sleep(0)  # parsed, bounded and handed to the worker thread
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await plain_service.run_off_loop(len, decoded)  # queued behind it in the one worker
+
+    assert asyncio.run(run()) < n
+    assert json.loads(service.chat(json.dumps(_body("chat", False, _gen([9707]))).encode()))["choices"]
