@@ -270,8 +270,13 @@ class ParserDerenderService:
             raise _InvalidChatRequest(error) from None
         except Exception as exc:  # vLLM's validators crashing on the request's shape: its error, a 400
             raise invalid_request(exc) from None
-        template_kwargs = kit.chat_template_kwargs(request)
-        request = kit.adjust_request(request, template_kwargs)
+        try:  # still vLLM's checks of the request (e.g. the structured outputs a tool choice asks for)
+            template_kwargs = kit.chat_template_kwargs(request)
+            request = kit.adjust_request(request, template_kwargs)
+        except ApiError:
+            raise
+        except Exception as exc:
+            raise invalid_request(exc) from None
         tool_choice = request.tool_choice
         role = _response_role(request)
         echo = _echo_text(request, role)

@@ -187,6 +187,7 @@ def test_a_malformed_chat_request_at_any_depth_is_never_a_5xx(loop, services, da
         {"response_format": 5},
         {"response_format": {"type": "json_schema"}},
         {"stream_options": 5},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": None}}},  # fuzz-found
     ],
 )
 @pytest.mark.parametrize("where", ["render", "derender", "derender stream"])
