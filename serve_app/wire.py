@@ -99,7 +99,17 @@ def _check_depth(body: bytes | bytearray | str, data: Any) -> Any:
 
 # A lone surrogate reaches a parsed body only as a JSON escape ("\ud800"; raw bytes must be UTF-8),
 # or, in a str body, as the code point itself (UTF-8 encoded with surrogatepass: 0xED 0xA0-0xBF).
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+# Each is searched only when its literal prefix is in the body at all (a C scan, ~1 ms for 17 MB:
+# one regex with both branches took as long as parsing the body).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_CODE_POINT = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+def _may_hold_surrogate(raw: bytes | bytearray, code_points: bool) -> bool:
+    """``code_points``: the body came as a str (bytes that parsed are UTF-8, which has none)."""
+    return (b"\\u" in raw and _SURROGATE_ESCAPE.search(raw) is not None) or (
+        code_points and b"\xed" in raw and _SURROGATE_CODE_POINT.search(raw) is not None
+    )
 
 
 def _has_surrogate(text: str) -> bool:
@@ -114,7 +124,7 @@ def _escaped(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _check_surrogates(raw: bytes | bytearray, data: Any) -> Any:
+def _check_surrogates(raw: bytes | bytearray, data: Any, code_points: bool = False) -> Any:
     """A 400 naming the first string (value or key) that holds a lone surrogate.
 
     ``"\ud800"`` is valid JSON but no UTF-8 response can hold it: echoed anywhere (an id, a model
@@ -122,7 +132,7 @@ def _check_surrogates(raw: bytes | bytearray, data: Any) -> Any:
     refused here, once, as pydantic refuses a string it cannot decode (``string_unicode``); a valid
     pair (``"\ud83d\ude00"``) decodes to one character and is not affected.
     """
-    if not _SURROGATE_ESCAPE.search(raw):
+    if not _may_hold_surrogate(raw, code_points):
         return data
     stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
     while stack:
@@ -154,8 +164,9 @@ def parse_json(body: bytes | bytearray | str) -> Any:
     """
     if not body:
         return None
-    raw = body if isinstance(body, (bytes, bytearray)) else body.encode("utf-8", "surrogatepass")
-    return _check_surrogates(raw, _parse(body))
+    if isinstance(body, (bytes, bytearray)):
+        return _check_surrogates(body, _parse(body))
+    return _check_surrogates(body.encode("utf-8", "surrogatepass"), _parse(body), code_points=True)
 
 
 def _parse(body: bytes | bytearray | str) -> Any:
