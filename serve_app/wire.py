@@ -101,7 +101,11 @@ def _check_depth(body: bytes | bytearray | str, data: Any) -> Any:
 # or, in a str body, as the code point itself (UTF-8 encoded with surrogatepass: 0xED 0xA0-0xBF).
 # Each is searched only when its literal prefix is in the body at all (a C scan, ~1 ms for 17 MB:
 # one regex with both branches took as long as parsing the body).
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A high surrogate not followed by a low one, or a low one not after a high one: a valid pair (an
+# emoji as json.dumps writes it) is no reason to walk the body.
+_SURROGATE_ESCAPE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F]"
+)
 _SURROGATE_CODE_POINT = re.compile(rb"\xed[\xa0-\xbf]")
 
 

@@ -192,16 +192,16 @@ def mutations(body: dict[str, Any], values: st.SearchStrategy[Any] = HOSTILE) ->
 SURROGATE = "\ud800"
 
 
-def with_surrogate(body: Any, path: Path, where: str) -> tuple[Any, str]:
+def with_surrogate(body: Any, path: Path, where: str, surrogate: str = SURROGATE) -> tuple[Any, str]:
     """``body`` with a lone surrogate in the string at ``path`` (its value, or its key), and the
     ``param`` the 400 must name: the string's own path, or for a key the object holding it."""
     out = copy.deepcopy(body)
     holder = get(out, path[:-1])
     key = path[-1]
     if where == "key":
-        holder[key + SURROGATE] = holder.pop(key)
+        holder[key + surrogate] = holder.pop(key)
         named = path[:-1]
     else:
-        holder[key] = holder[key] + SURROGATE
+        holder[key] = holder[key] + surrogate
         named = path
     return out, clean_loc(("body", *named))  # as vLLM words a loc (internal names such as "arguments" dropped)
