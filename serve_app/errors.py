@@ -24,6 +24,7 @@ __all__ = [
     "ServiceUnavailableError",
     "envelope",
     "error_body",
+    "invalid_request",
     "sanitize_message",
     "validation_error",
 ]
@@ -123,6 +124,31 @@ def sanitize_message(message: str) -> str:
     message = _SYSTEM_PATH.sub("<path>", message)
     message = _PATH_CHAIN.sub(_hide_file_path, message)
     return message.strip()
+
+
+def invalid_request(exc: Exception) -> ApiError:
+    """The 400 for an exception that a request model's validator raised on malformed data.
+
+    vLLM's ``mode="before"`` validators read the raw body (``tool["function"]["name"]``,
+    ``structured_outputs.get(...)``) and crash with ``KeyError`` or ``AttributeError`` on the wrong
+    shape; pydantic passes those through and vLLM answers them as 500s. Whatever a validator raises,
+    the request is what is wrong: a 4xx. vLLM's own client errors (``VLLMValidationError``, ...: not
+    ``ValueError`` subclasses, so pydantic passes them through too) keep vLLM's status and ``param``;
+    its 400s (``ValueError``, ``TypeError``, ``OverflowError``) keep its message; the rest name the
+    exception, as their text alone (``'function'``) says nothing.
+    """
+    if isinstance(exc, ApiError):
+        return exc if 400 <= exc.status_code < 500 else BadRequestError(exc.message, exc.param)
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if "VLLMClientError" in names:  # vLLM's own client errors keep its status and param (create_error_response)
+        if "VLLMNotFoundError" in names:
+            return NotFoundError(str(exc))
+        if "VLLMUnprocessableEntityError" in names:
+            return ApiError(str(exc), getattr(exc, "parameter", None), status_code=422, err_type="UnprocessableEntityError")
+        return BadRequestError(str(exc), getattr(exc, "parameter", None))
+    if isinstance(exc, (ValueError, TypeError, OverflowError)):
+        return BadRequestError(str(exc))
+    return BadRequestError(f"Invalid request: {type(exc).__name__}: {exc}")
 
 
 def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from serve_app.derender.tokenizer import DetokTokenizer
 from serve_app.errors import BadRequestError, NotFoundError
 
 __all__ = [
+    "CHOICE_WORK",
     "DerenderLimits",
     "DerenderModel",
     "check_bounds",
@@ -26,8 +27,20 @@ __all__ = [
     "check_size",
     "check_stream_chunk",
     "check_stream_window",
+    "output_ids",
     "output_work",
 ]
+
+
+def output_ids(choice: Any, where: str = "") -> list[int]:
+    """A whole choice's token ids: none is vLLM's 400, except for an abort that landed before the
+    first token, which is a finished choice with no text (``finish_reason: "abort"``), as a stream's
+    finish-only chunk is. ``where`` places the choice in the message (`` in response <id>``)."""
+    if choice.token_ids:
+        return list(choice.token_ids)
+    if choice.finish_reason == "abort":
+        return []
+    raise BadRequestError(f"choice {choice.index}{where} has empty or null token_ids")
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,12 +173,24 @@ def _choice_counts(choice: Any) -> tuple[int, int]:
     return len(_list(choice.get("token_ids"))), logprobs
 
 
-def output_work(gen: Any) -> int:
-    """A raw generate response's (or chunk's) output token ids plus logprob entries, counted as
-    :func:`check_size` counts them (anything of another shape: nothing)."""
+def _prompt_logprob_entries(gen: dict[str, Any]) -> int:
+    """A raw response's ``prompt_logprobs``: one entry per position, plus each position's candidates."""
+    return sum(1 + (len(p) if isinstance(p, dict) else 0) for p in _list(gen.get("prompt_logprobs")))
+
+
+CHOICE_WORK = 4
+"""A choice's own cost on the plain path (its response entry, seed, usage), in token units (~2 us):
+2,000 one-token choices take ~22 ms. A parser choice costs far more (a fresh vLLM parser each)."""
+
+
+def output_work(gen: Any, choice_work: int = CHOICE_WORK) -> int:
+    """A raw generate response's (or chunk's) work: output token ids, logprob entries (sampled, top
+    and prompt), and ``choice_work`` per choice; counted as :func:`check_size` counts them
+    (anything of another shape: nothing)."""
     if not isinstance(gen, dict):
         return 0
-    return sum(sum(_choice_counts(choice)) for choice in _list(gen.get("choices")))
+    choices = _list(gen.get("choices"))
+    return sum(sum(_choice_counts(c)) for c in choices) + choice_work * len(choices) + _prompt_logprob_entries(gen)
 
 
 def check_size(data: Any, limits: DerenderLimits) -> int:
@@ -176,7 +201,8 @@ def check_size(data: Any, limits: DerenderLimits) -> int:
     for its size gets vLLM's message (only sooner, before a schema error it may also hold).
 
     Returns:
-        The request's work: token ids plus logprob entries (what decoding costs grow with).
+        The request's work: token ids, logprob entries (prompt logprobs too) and ``CHOICE_WORK``
+        per choice (what decoding and validation costs grow with).
 
     Raises:
         BadRequestError: too many generate responses, choices, token ids or logprob entries.
@@ -204,6 +230,7 @@ def check_size(data: Any, limits: DerenderLimits) -> int:
             raise _too_many_choices(len(gen_choices), request_id, limits.max_n_sequences)
         choices += len(gen_choices)
         tokens += len(_list(gen.get("prompt_token_ids")))
+        logprobs += _prompt_logprob_entries(gen)
         for choice in gen_choices:
             choice_tokens, choice_logprobs = _choice_counts(choice)
             tokens += choice_tokens
@@ -218,7 +245,7 @@ def check_size(data: Any, limits: DerenderLimits) -> int:
                 f"{what} count ({count}) in request exceeds server maximum ({limit}). "
                 f"Set limits.{field} to increase this limit."
             )
-    return tokens + logprobs
+    return tokens + logprobs + CHOICE_WORK * choices
 
 
 def check_stream_window(state: Any, tok: DetokTokenizer) -> None:

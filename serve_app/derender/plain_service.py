@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -32,6 +33,7 @@ from serve_app.derender.checks import (
     check_size,
     check_stream_chunk,
     check_stream_window,
+    output_ids,
 )
 from serve_app.derender.detokenize import DetokWindow, detokenize_delta, seed_window
 from serve_app.derender.logprobs import context_tail, resolve_logprobs, to_completion_logprobs
@@ -55,7 +57,7 @@ from serve_app.protocol import (
 )
 from serve_app.wire import dump_json, load_body, validate_model
 
-__all__ = ["OFFLOAD_EXECUTOR", "OFFLOAD_WORK", "PlainDerenderService", "PlainStream", "run_off_loop"]
+__all__ = ["OFFLOAD_EXECUTOR", "OFFLOAD_WORK", "PlainDerenderService", "PlainStream", "run_off_loop", "stop_if_caller_gone"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +79,38 @@ OFFLOAD_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="derende
 _T = TypeVar("_T")
 
 
+_WORKER = threading.local()  # the worker thread's current job: its "caller has gone" flag
+
+
+class _CallerGone(Exception):
+    """Raised in the worker when the coroutine that awaits the job was cancelled; nobody reads it."""
+
+
+def stop_if_caller_gone() -> None:
+    """Called once per choice by the whole-request loops: a job whose caller was cancelled (the
+    client disconnected) stops there instead of decoding on for no one, as do queued ones."""
+    gone = getattr(_WORKER, "gone", None)
+    if gone is not None and gone.is_set():
+        raise _CallerGone
+
+
 async def run_off_loop(work: Callable[..., _T], *args: Any) -> _T:
-    """``work(*args)`` in :data:`OFFLOAD_EXECUTOR`, awaited from the running event loop."""
-    return await asyncio.get_running_loop().run_in_executor(OFFLOAD_EXECUTOR, work, *args)
+    """``work(*args)`` in :data:`OFFLOAD_EXECUTOR`, awaited from the running event loop; cancelling
+    the await stops the work at its next :func:`stop_if_caller_gone`."""
+    gone = threading.Event()
+
+    def job() -> _T:
+        _WORKER.gone = gone
+        try:
+            return work(*args)
+        finally:
+            _WORKER.gone = None
+
+    try:
+        return await asyncio.get_running_loop().run_in_executor(OFFLOAD_EXECUTOR, job)
+    except asyncio.CancelledError:
+        gone.set()
+        raise
 
 
 async def _off_loop_if_big(decode: Callable[[Any], bytes], data: Any, work: int) -> bytes:
@@ -177,10 +208,10 @@ class PlainDerenderService:
         stops = self.model.stop_tokens(request.chat_request)
         choices = []
         for choice in gen.choices:
-            if not choice.token_ids:
-                raise BadRequestError(f"choice {choice.index} has empty or null token_ids")
+            stop_if_caller_gone()
+            ids = output_ids(choice)
             logprobs = resolve_logprobs(choice.logprobs, self.tok) if choice.logprobs is not None else None
-            text_ids = stops.text_ids(choice.token_ids, choice.finish_reason, choice.stop_reason)
+            text_ids = stops.text_ids(ids, choice.finish_reason, choice.stop_reason)
             text, _ = detokenize_delta(self.tok, text_ids, seed, skip)
             choices.append(
                 {
@@ -274,11 +305,9 @@ class PlainDerenderService:
         for gen, pt, seed_ids in zip(responses, prompt_tokens, seeds, strict=True):
             seed = seed_window(self.tok, seed_ids if seed_ids is not None else gen.prompt_token_ids, skip)
             for choice in gen.choices:
-                if not choice.token_ids:
-                    raise BadRequestError(
-                        f"choice {choice.index} in response {gen.request_id} has empty or null token_ids"
-                    )
-                text_ids = stops.text_ids(choice.token_ids, choice.finish_reason, choice.stop_reason)
+                stop_if_caller_gone()
+                ids = output_ids(choice, f" in response {gen.request_id}")
+                text_ids = stops.text_ids(ids, choice.finish_reason, choice.stop_reason)
                 text, _ = detokenize_delta(self.tok, text_ids, seed, skip)
                 logprobs = (
                     to_completion_logprobs(resolve_logprobs(choice.logprobs, self.tok))
@@ -298,7 +327,7 @@ class PlainDerenderService:
                         "routed_experts": None,
                     }
                 )
-                total_completion += len(choice.token_ids)
+                total_completion += len(ids)
             total_prompt += pt
         return completion_response(responses, model, choices, usage(total_prompt, total_completion))
 

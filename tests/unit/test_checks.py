@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from serve_app.config import AppArgs, RequestLimits
-from serve_app.derender.checks import DerenderLimits, check_size
+from serve_app.derender.checks import CHOICE_WORK, DerenderLimits, check_size
 from serve_app.derender.plain import build_plain_service
 from serve_app.errors import ApiError, envelope
 
@@ -125,9 +125,11 @@ class TestLogprobs:
 class TestCheckSize:
     LIMITS = DerenderLimits(4096, 20, 16384)
 
-    def test_returns_the_work_token_ids_plus_logprob_entries(self):
+    def test_returns_the_work_token_ids_plus_logprob_entries_plus_choices(self):
         body = {"generate_response": _gen([_choice(0, [1, 2, 3], _lp(3, 2))]), "prompt_token_ids": [7, 8]}
-        assert check_size(body, self.LIMITS) == 3 + 2 + 3 * 3
+        assert check_size(body, self.LIMITS) == 3 + 2 + 3 * 3 + CHOICE_WORK
+        body["generate_response"]["prompt_logprobs"] = [None, {"5": {"logprob": -1.0}, "6": {"logprob": -2.0}}]
+        assert check_size(body, self.LIMITS) == 3 + 2 + 3 * 3 + CHOICE_WORK + 2 + 2
 
     @pytest.mark.parametrize(
         "body",

@@ -60,15 +60,17 @@ class FakeEngine:
 def _service(
     plain, engine: FakeEngine, prompts: list[list[int]], n: int = 1, first_chunk_timeout_s: float | None = None
 ) -> ComposedService:
-    def gen(i: int, ids: list[int]) -> dict[str, Any]:
+    def gen(i: int, ids: list[int], body: dict) -> dict[str, Any]:
         rid = "cmpl-r" + (f"-{i}" if len(prompts) > 1 else "")
-        return {"request_id": rid, "token_ids": ids, "sampling_params": {"n": n, "stop_token_ids": None}}
+        # as vLLM's render: stream_options (parsed) only on a stream
+        options = body.get("stream_options") if body.get("stream") else None
+        return {"request_id": rid, "token_ids": ids, "sampling_params": {"n": n, "stop_token_ids": None}, "stream_options": options}
 
     async def render_chat(body: dict, rid: str | None) -> bytes:
-        return json.dumps(gen(0, prompts[0])).encode()
+        return json.dumps(gen(0, prompts[0], body)).encode()
 
     async def render_completion(body: dict, rid: str | None) -> bytes:
-        return json.dumps([gen(i, p) for i, p in enumerate(prompts)]).encode()
+        return json.dumps([gen(i, p, body) for i, p in enumerate(prompts)]).encode()
 
     stages = Stages(render_chat, render_completion, engine.generate, engine.stream)
     return ComposedService(stages, plain, plain, EOS, first_chunk_timeout_s=first_chunk_timeout_s)

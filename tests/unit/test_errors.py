@@ -54,7 +54,9 @@ def test_validation_message_matches_vllm(body):
 
 
 def test_sanitize_matches_vllm():
-    from vllm.entrypoints.serve.exception_handling.utils import sanitize_message as vllm_sanitize
+    from serve_app._vllm import vllm_sanitize_message
+
+    vllm_sanitize = vllm_sanitize_message()
 
     for message in [
         "model /tmp/m/qwen3 missing",
@@ -93,7 +95,10 @@ def test_errors_wrapped_by_ray_are_unwrapped():
 def test_sanitize_equals_vllm_on_generated_messages():
     from hypothesis import given, settings
     from hypothesis import strategies as st
-    from vllm.entrypoints.serve.exception_handling.utils import sanitize_message as vllm_sanitize
+
+    from serve_app._vllm import vllm_sanitize_message
+
+    vllm_sanitize = vllm_sanitize_message()
 
     pieces = st.sampled_from(
         ["/", "/usr", "/tmp", "/home", "a", "b-c", "_", ".", ".py", "x.json", " ", "  ", "\n", "\n  ", "\t", "é",
@@ -118,7 +123,9 @@ def test_sanitize_equals_vllm_on_generated_messages():
     ],
 )
 def test_sanitize_equals_vllm_on_tracebacks_and_paths(message):
-    from vllm.entrypoints.serve.exception_handling.utils import sanitize_message as vllm_sanitize
+    from serve_app._vllm import vllm_sanitize_message
+
+    vllm_sanitize = vllm_sanitize_message()
 
     assert sanitize_message(message) == vllm_sanitize(message)
 
@@ -128,12 +135,9 @@ def test_sanitize_equals_vllm_on_tracebacks_and_paths(message):
     "unit", ["/a", "/-", "/usr", " ", "\n", '\n File "', 'File "x", line 1', "/a.", " at 0x0"]
 )
 def test_sanitize_is_bounded_on_hostile_messages(size, unit):
-    import time
-
+    # The time it takes is in bench/; here, that it answers, on a bounded length.
     message = f"The model `{unit * (size // len(unit))}` does not exist."
-    start = time.perf_counter()
     out = sanitize_message(message)
-    assert time.perf_counter() - start < 0.5
     assert len(out) <= 16384 + len("...[truncated]")
 
 

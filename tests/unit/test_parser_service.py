@@ -470,6 +470,23 @@ class TestOffLoop:
             assert _same_bytes(inline[0], offloaded[0]), name
         assert json.loads(offloaded[0])["chunk"]["usage"]["completion_tokens_details"]["reasoning_tokens"] > 2000
 
+    @pytest.mark.parametrize("what", ["one-token choices", "prompt_logprobs"])
+    def test_work_the_size_bounds_did_not_count_goes_off_the_loop(self, service, ids, off_loop, what):
+        """Issue 19: many one-token choices (each a fresh vLLM parser) and prompt_logprobs (validated
+        entry by entry) are work too: such a request is parsed in the worker thread, same answer."""
+        svc = _service_like(service)
+        prompt, output = ids
+        if what == "one-token choices":
+            body = _whole_body(prompt, output[:1], n=64)
+        else:
+            body = _whole_body(prompt, output[:1])
+            candidates = {str(i): {"logprob": -1.0, "rank": i + 1, "decoded_token": "a"} for i in range(20)}
+            body["generate_response"]["prompt_logprobs"] = [None] + [candidates] * 400
+        inline = svc.chat_with_outcome(body)
+        offloaded = asyncio.run(svc.chat_with_outcome_async(body))
+        assert len(off_loop) == 1 and off_loop[0][1].startswith("derender"), off_loop
+        assert _same_bytes(inline[0], offloaded[0])
+
     def test_a_hit_chunk_parses_inline_whatever_its_history(self, service, ids, long_output, off_loop):
         """A hit's work is its delta: it never leaves the loop, even after ~3,000 carried tokens (far
         above OFFLOAD_WORK as the size check counts the body), nor do a new stream and a small answer."""

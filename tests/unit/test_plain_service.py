@@ -217,3 +217,70 @@ def test_a_big_request_decodes_off_the_event_loop_so_a_small_one_finishes_first(
 
     assert asyncio.run(run()) == ["small", "big"]
     assert json.loads(service.completion(big))["usage"]["completion_tokens"] == 16 * 4000  # same answer inline
+
+
+@pytest.mark.parametrize("what", ["one-token choices", "prompt_logprobs"])
+def test_work_the_size_bounds_did_not_count_decodes_off_the_loop(service, what):
+    """Issue 19: 16,384 one-token choices and a long prompt_logprobs (validated entry by entry) are
+    work too, counted by the size check: a small request started meanwhile finishes first."""
+    if what == "one-token choices":
+        gen = {"request_id": "big", "choices": [{"index": i, "token_ids": [9707]} for i in range(16384)]}
+    else:
+        candidates = {str(i): {"logprob": -1.0, "rank": i + 1, "decoded_token": "a"} for i in range(20)}
+        gen = _gen([9707], prompt_logprobs=[None] + [candidates] * 4000)
+    big, small = json.dumps(_body("chat", False, gen)).encode(), json.dumps(_body("chat", False, _gen([9707]))).encode()
+
+    async def run() -> list[str]:
+        finished: list[str] = []
+
+        async def call(name: str, body: bytes) -> None:
+            await service.chat_async(body)
+            finished.append(name)
+
+        big_call = asyncio.create_task(call("big", big))
+        await asyncio.sleep(0)  # the big one is parsed, bounded and handed to the worker thread
+        assert not big_call.done()
+        await call("small", small)
+        await big_call
+        return finished
+
+    assert asyncio.run(run()) == ["small", "big"]
+
+
+def test_prompt_logprobs_count_against_the_logprob_bound(service):
+    from serve_app.derender.checks import DerenderLimits, check_size
+
+    candidates = {str(i): {"logprob": -1.0} for i in range(20)}
+    body = _body("chat", False, _gen([9707], prompt_logprobs=[None] + [candidates] * 10))
+    limits = DerenderLimits(4096, 20, 16384, max_logprob_entries=200)  # 11 positions + 10 x 20 candidates
+    with pytest.raises(ApiError, match="logprobs entries count \\(211\\)"):
+        check_size(body, limits)
+
+
+def test_a_cancelled_request_stops_decoding_in_the_worker(service, monkeypatch):
+    """Issue 19: a client that went away (its request's coroutine cancelled) stops the decoding it
+    started: the next job in the worker thread runs after fewer than all of its choices decoded."""
+    from serve_app.derender import plain_service
+
+    decoded: list[int] = []
+    real = plain_service.detokenize_delta
+
+    def counted(*args, **kwargs):
+        decoded.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plain_service, "detokenize_delta", counted)
+    n = 16384
+    gen = {"request_id": "big", "choices": [{"index": i, "token_ids": [9707]} for i in range(n)]}
+    big = json.dumps(_body("chat", False, gen)).encode()
+
+    async def run() -> int:
+        task = asyncio.create_task(service.chat_async(big))
+        await asyncio.sleep(0)  # parsed, bounded and handed to the worker thread
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await plain_service.run_off_loop(len, decoded)  # queued behind it in the one worker
+
+    assert asyncio.run(run()) < n
+    assert json.loads(service.chat(json.dumps(_body("chat", False, _gen([9707]))).encode()))["choices"]

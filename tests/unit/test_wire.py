@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from serve_app.errors import ApiError, envelope
 from serve_app.wire import MAX_JSON_DEPTH, dump_json, dump_json_floatless, load_body, parse_json, stream_flag
+from tests.hostile import string_positions, with_surrogate
 
 
 def test_floatless_dump_equals_starlette_for_every_code_point():
@@ -110,3 +113,36 @@ def test_stream_flag_rejects_anything_else(value):
     status, env = envelope(got.value)
     assert status == 400 and env["error"]["param"] == "body.stream"
     assert "Input should be a valid boolean" in env["error"]["message"]
+
+
+# --- lone surrogates (issue 19): refused once, at the wire, naming the string ---------------------------
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=20,
+)
+_SURROGATES = st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff"])
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(doc=st.dictionaries(st.text(max_size=5), _JSON, min_size=1, max_size=4), data=st.data(), as_str=st.booleans())
+def test_a_lone_surrogate_anywhere_is_a_400_naming_it(doc, data, as_str):
+    positions = string_positions(doc)
+    if not positions:
+        return
+    path, where = data.draw(st.sampled_from(positions))
+    body, param = with_surrogate(doc, path, where, data.draw(_SURROGATES))
+    text = json.dumps(body)
+    with pytest.raises(ApiError) as got:
+        parse_json(text if as_str else text.encode())
+    status, envelope_body = envelope(got.value)
+    assert status == 400 and envelope_body["error"]["param"] == param
+    dump_json(envelope_body)  # the answer itself encodes
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(doc=_JSON)
+def test_valid_pairs_and_escaped_backslashes_still_parse(doc):
+    text = json.dumps({"doc": doc, "pair": "\U0001f600", "literal": "\\ud800"})  # "\ud83d\ude00", "\\ud800"
+    assert parse_json(text.encode()) == json.loads(text)

@@ -1,0 +1,105 @@
+"""Issue 19, classes 1, 2 and 4 over real HTTP (the engine app: render and plain derender in the
+Ingress, ParserDerender, the CPU engine): every route, generated from its example body.
+
+- A lone surrogate in any string of any route's body is a 400 naming the field, never a 500.
+- Long request text that vLLM formats into an error (a ``"/a" * 50000`` model name, ~3 h of
+  backtracking in vLLM's own ``sanitize_message``) is a 4xx, and the replica that got several of
+  them at once still answers a small request meanwhile.
+- ``stream_options.include_usage`` is read as vLLM's pydantic reads it (``"false"`` is false, a
+  word that is no boolean a 400), on both composed routes.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.hostile import EXAMPLES, MESSAGES, ROUTES, string_positions, with_surrogate
+
+
+@pytest.fixture(scope="module")
+def client(engine_app_url: str):
+    with httpx.Client(base_url=engine_app_url, timeout=120) as c:
+        yield c
+
+
+def _post(client: httpx.Client, route: str, body: Any) -> httpx.Response:
+    # json.dumps escapes to ASCII: the surrogate travels as the valid JSON text "\ud800".
+    return client.post(route, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+
+
+IDS = [f"{r}{' stream' if b.get('stream') else ''}" for r, b in EXAMPLES]
+
+
+@pytest.mark.parametrize(("route", "body"), EXAMPLES, ids=IDS)
+def test_every_example_body_is_valid(client, route, body):
+    """What the fuzz suite and the tests below mutate is a request the route answers."""
+    response = _post(client, route, body)
+    assert response.status_code == 200, response.text[:300]
+
+
+@pytest.mark.parametrize(("route", "body"), EXAMPLES, ids=IDS)
+def test_a_lone_surrogate_in_any_string_of_any_route_is_a_400_naming_it(client, route, body):
+    positions = string_positions(body)
+    assert positions
+    for path, where in positions:
+        sent, param = with_surrogate(body, path, where)
+        response = _post(client, route, sent)
+        if route == "/abort_requests":  # nothing is echoed: an unknown id is aborted (200), as vLLM
+            assert response.status_code < 500, response.text
+            continue
+        assert response.status_code == 400, (path, where, response.text[:300])
+        error = response.json()["error"]
+        assert error["param"] == param and error["code"] == 400, (path, where, error)
+
+
+LONG_MODEL = "/a" * 50_000
+
+
+def test_long_model_names_are_a_4xx_and_the_replica_stays_live(client):
+    render_routes = [r for r in ROUTES if r.endswith("/render") or r in ("/tokenize", "/detokenize")]
+    with ThreadPoolExecutor(len(render_routes) + 1) as pool:
+        long = [pool.submit(_post, client, r, {**ROUTES[r], "model": LONG_MODEL}) for r in render_routes]
+        small = pool.submit(_post, client, "/tokenize", {"prompt": "Hello world"})
+        answers = [f.result() for f in long]
+        assert small.result().json()["tokens"] == [9707, 1879]
+    for route, response in zip(render_routes, answers, strict=True):
+        assert response.status_code == 404, (route, response.text[:200])
+        assert len(response.json()["error"]["message"]) <= 16384 + len("...[truncated]")
+
+
+def _sse(client: httpx.Client, route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with client.stream("POST", route, json=body) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("include_usage", [False, True, "false", "true", 0, 1])
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/chat/completions", {"messages": MESSAGES}),
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/completions", {"prompt": ["Hi", "There"]}),
+    ],
+    ids=["chat", "completion", "two prompts"],
+)
+def test_include_usage_is_read_as_vllm_reads_it(client, include_usage, route, body):
+    chunks = _sse(client, route, {**body, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": include_usage}})
+    usage_chunks = [c for c in chunks if not c["choices"] and c.get("usage")]
+    wanted = include_usage in (True, "true", 1)  # pydantic's lax bool, as vLLM's StreamOptions
+    assert len(usage_chunks) == (1 if wanted else 0), chunks[-2:]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_include_usage_that_is_no_boolean_is_a_400(client, route):
+    body = {"messages": MESSAGES} if "chat" in route else {"prompt": "Hi"}
+    response = client.post(route, json={**body, "stream": True, "stream_options": {"include_usage": "maybe"}})
+    assert response.status_code == 400, response.text[:300]
+    assert "include_usage" in response.json()["error"]["message"]
