@@ -216,6 +216,9 @@ def colocated_app_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
 SCRIPTED_LOGITS_PROCESSOR = "serve_app.testing.scripted:ScriptedOutputLogitsProcessor"
 ENGINE_KV_CACHE_BYTES = 256 * 1024 * 1024  # a fixed KV cache: no 20 GiB grab, no 40 s warm-up on CPU
 QWEN3_PARSER_ARGS = {"tool_call_parser": "hermes", "reasoning_parser": "qwen3", "enable_auto_tool_choice": True}
+# vLLM's defaults are for GPUs; the CPU tests set the demo engine explicitly, as serve_config.yaml does:
+# no graph capture, 16 sequences, a fixed KV cache, no tokenizer in the engine (`vllm serve --tokens-only`).
+CPU_ENGINE = {"enforce_eager": True, "max_num_seqs": 16, "tokens_only": True, "kv_cache_memory_bytes": ENGINE_KV_CACHE_BYTES}
 
 
 @pytest.fixture(scope="session")
@@ -228,11 +231,7 @@ def engine_app_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
         model="qwen3-tiny",
         **QWEN3_PARSER_ARGS,
         colocate_in_ingress=["render", "plain_derender"],
-        engine={
-            "enabled": True,
-            "kv_cache_memory_bytes": ENGINE_KV_CACHE_BYTES,
-            "logits_processors": [SCRIPTED_LOGITS_PROCESSOR],
-        },
+        engine={"enabled": True, **CPU_ENGINE, "logits_processors": [SCRIPTED_LOGITS_PROCESSOR]},
     )
 
 
