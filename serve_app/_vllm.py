@@ -26,6 +26,7 @@ __all__ = [
     "check_engine_args",
     "engine_cli_args",
     "engine_config_verdict",
+    "load_chat_template",
     "parse_engine_args",
     "vllm_cli_args",
 ]
@@ -47,8 +48,8 @@ def vllm_cli_args(args: AppArgs, model: ResolvedModel) -> list[str]:
         argv += ["--enable-auto-tool-choice"]
     if args.reasoning_parser:
         argv += ["--reasoning-parser", args.reasoning_parser]
-    if args.chat_template:
-        argv += ["--chat-template", args.chat_template]
+    if model.chat_template or args.chat_template:
+        argv += ["--chat-template", model.chat_template or args.chat_template]
     argv += ["--chat-template-content-format", args.chat_template_content_format]
     if args.default_chat_template_kwargs:
         argv += ["--default-chat-template-kwargs", json.dumps(args.default_chat_template_kwargs)]
@@ -61,6 +62,14 @@ def _format_flags(args: AppArgs) -> list[str]:
     """How vLLM reads the model's files: the same flags for render, derender and the engine."""
     argv = ["--tokenizer-mode", args.tokenizer_mode, "--config-format", args.config_format]
     return argv + (["--trust-remote-code"] if args.trust_remote_code else [])
+
+
+def load_chat_template(chat_template: str) -> str | None:
+    """vLLM's reading of ``--chat-template``: a file, one of the templates vLLM ships, or inline text."""
+    _patch_vllm_version()
+    from vllm.renderers.chat_utils import load_chat_template as load
+
+    return load(chat_template)
 
 
 class RenderState:

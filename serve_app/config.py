@@ -314,12 +314,23 @@ class AppArgs(_Strict):
             tokenizer_revision=tok.commit,
             tokenizer_hub_id=tok.repo_id,
             download_dir=self.download_dir,
+            chat_template=_read_template_file(self.chat_template),
         )
         if self.engine.enabled:
             from serve_app._vllm import check_engine_args
 
             check_engine_args(self, model)
         return model
+
+
+def _read_template_file(chat_template: str | None) -> str | None:
+    """A ``chat_template`` naming a file (relative: to the working directory) is read here, once, and
+    travels inline, so replicas on other nodes need no copy; anything else goes to vLLM as given (an
+    inline template, or the name of one of vLLM's own)."""
+    if chat_template is None or any(c in chat_template for c in "{}\n"):
+        return None
+    path = Path(chat_template).expanduser()
+    return path.read_text(encoding="utf-8") if path.is_file() else None
 
 
 def _max_position_embeddings(model_dir: Path) -> int:
@@ -361,6 +372,7 @@ class ResolvedModel(_Strict):
     tokenizer_revision: str | None = None
     tokenizer_hub_id: str | None = None
     download_dir: str | None = None
+    chat_template: str | None = None  # the text of a ``chat_template`` file, read by the builder
 
     @property
     def name(self) -> str:
