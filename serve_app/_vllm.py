@@ -324,8 +324,8 @@ def parse_engine_args(args: AppArgs, model: ResolvedModel) -> tuple[Any, Any]:
 
 def engine_config_verdict(args: AppArgs, model: ResolvedModel) -> Any:
     """vLLM's ``create_engine_config`` on this process's platform, for the model's cached config: the
-    checks between arguments and model (TP divides the heads, max_model_len fits, ...). The tokenizer is
-    not loaded and no device or Ray is touched, so it runs on the CPU wheel without a GPU.
+    checks between arguments and model (TP divides the heads, max_model_len fits, ...), reading the
+    config and tokenizer files only; no weights, device or Ray, so it runs on the CPU wheel without a GPU.
 
     Raises:
         ConfigError: vLLM's message, which names the argument.
@@ -338,7 +338,6 @@ def engine_config_verdict(args: AppArgs, model: ResolvedModel) -> Any:
     # The cached CPU-tier snapshot stands in for the hub id: no hub, no weights.
     engine_args.model = engine_args.tokenizer = model.on_this_node().model_dir
     engine_args.revision = engine_args.tokenizer_revision = None
-    engine_args.skip_tokenizer_init = True
     try:
         return engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     except Exception as exc:  # pydantic ValidationError, ValueError, ...: vLLM's own words

@@ -145,6 +145,13 @@ def check_app(app: dict[str, Any], out: Any) -> None:
     _check_chat_template(args, model)
     print(f"  render / derender flags: {_parser_flags(args, model)}", file=out)
 
+    config = None
+    if args.engine.enabled:  # first: the deployment options read engine args (max_num_seqs)
+        try:
+            config = engine_config_verdict(args, model)
+        except ConfigError as exc:
+            raise CheckFailed(f"{name}: {exc}") from None
+
     serve_overrides = {d["name"]: d for d in app.get("deployments") or []}
     try:
         plan = deployment_plan(args, serve_overrides)
@@ -161,14 +168,10 @@ def check_app(app: dict[str, Any], out: Any) -> None:
         print(f"    {dep:<15} {n:>3} x {cpus:g} CPU, {gpus:g} GPU", file=out)
     print(f"  total at max_replicas: {total_cpu:g} CPU, {total_gpu:g} GPU", file=out)
 
-    if not args.engine.enabled:
+    if config is None:
         print("  engine: not in this app (engine.enabled: false)", file=out)
         return
     print(f"  engine: vllm serve {' '.join(engine_cli_args(args, model))}", file=out)
-    try:
-        config = engine_config_verdict(args, model)
-    except ConfigError as exc:
-        raise CheckFailed(f"{name}: {exc}") from None
     pc, sc = config.parallel_config, config.scheduler_config
     print(
         f"  vLLM ({config.device_config.device_type} platform here): engine args ok; tensor_parallel_size "
@@ -178,8 +181,10 @@ def check_app(app: dict[str, Any], out: Any) -> None:
     )
 
 
-def check_config(path: str | Path, out: Any = sys.stdout) -> None:
-    """Check every serve_app application of the Serve config at ``path``; raises :class:`CheckFailed`."""
+def check_config(path: str | Path, out: Any = None) -> None:
+    """Check every serve_app application of the Serve config at ``path`` (report to ``out``, default
+    stdout); raises :class:`CheckFailed`."""
+    out = out or sys.stdout
     import yaml
     from pydantic import ValidationError
     from ray.serve.schema import ServeDeploySchema
