@@ -48,8 +48,9 @@ def vllm_cli_args(args: AppArgs, model: ResolvedModel) -> list[str]:
         argv += ["--enable-auto-tool-choice"]
     if args.reasoning_parser:
         argv += ["--reasoning-parser", args.reasoning_parser]
-    if model.chat_template or args.chat_template:
-        argv += ["--chat-template", model.chat_template or args.chat_template]
+    template = model.chat_template or args.chat_template
+    if template:
+        argv += ["--chat-template", template]
     argv += ["--chat-template-content-format", args.chat_template_content_format]
     if args.default_chat_template_kwargs:
         argv += ["--default-chat-template-kwargs", json.dumps(args.default_chat_template_kwargs)]

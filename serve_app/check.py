@@ -23,7 +23,7 @@ class CheckFailed(Exception):
     """The one-line reason ``check`` exits non-zero."""
 
 
-def _deployment_classes(args: Any) -> dict[str, tuple[type, str]]:
+def _deployment_classes(args: Any) -> dict[str, tuple[Any, str]]:
     """The graph build_app binds: Serve name -> (class, key under ``args.deployments``)."""
     from serve_app.derender.parser import ParserDerender
     from serve_app.derender.plain import PlainDerender
@@ -109,7 +109,8 @@ def _check_chat_template(args: Any, model: Any) -> None:
     try:
         load_chat_template(args.chat_template)
     except Exception as exc:
-        raise CheckFailed(f"chat_template {args.chat_template!r}: not a file here (cwd {os.getcwd()}) nor a template vLLM ships: {exc}") from None
+        where = f"not a file here (cwd {os.getcwd()}) nor a template vLLM ships"
+        raise CheckFailed(f"chat_template {args.chat_template!r}: {where}: {exc}") from None
 
 
 def check_app(app: dict[str, Any], out: Any) -> None:
