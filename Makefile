@@ -35,4 +35,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check serve_app tests bench examples
 	$(VENV)/bin/mypy
+	@# The alert rules, checked by Prometheus's own tool (Debian's prometheus package ships promtool).
+	command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null)
+	promtool check rules deploy/prometheus/alerts.yml
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

@@ -61,7 +61,7 @@ def test_a_stage_with_no_running_replica_fails_fast():
 
 def test_autoscaling_deployments_are_ready_as_in_serves_own_application_status():
     # Serve reports the application RUNNING while a deployment autoscales; a readiness probe must not
-    # take every pod out of service on each scale event (deploy/kuberay/rayservice.yaml).
+    # take every pod out of service on each scale event (deploy/kuberay/*.rayservice.yaml).
     controller = Controller(
         {
             "Ingress": DeploymentHealth("UPSCALING", 2),
