@@ -137,7 +137,8 @@ def main() -> None:
         t1 = time.monotonic()
         app_args = dict(model="qwen3-tiny", tool_call_parser="hermes", reasoning_parser="qwen3", enable_auto_tool_choice=True,
                         colocate_in_ingress=COLOCATE,
-                        engine={"enabled": True, "kv_cache_memory_bytes": KV_BYTES, "logits_processors": [PROCESSOR]})
+                        engine={"enabled": True, "enforce_eager": True, "max_num_seqs": 16, "tokens_only": True,
+                                "kv_cache_memory_bytes": KV_BYTES, "logits_processors": [PROCESSOR]})
         start_app(lambda: build_app(AppArgs(**app_args)), port=port, namespace="engine_bench")
         base, vbase = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{vport}"
         wait_http_blocking(base + "/health", 120)

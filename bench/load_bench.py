@@ -446,7 +446,8 @@ def ours_app_args(opts: argparse.Namespace) -> dict[str, Any]:
     return {**APP_ARGS, "colocate_in_ingress": shipped_colocate(),
             "deployments": {"ingress": {"num_replicas": opts.ingress_replicas},
                             "parser_derender": {"num_replicas": opts.parser_replicas}},
-            "engine": {"enabled": True, "kv_cache_memory_bytes": KV_BYTES, "logits_processors": [SCRIPTED_PROCESSOR],
+            "engine": {"enabled": True, "enforce_eager": True, "tokens_only": True,
+                       "kv_cache_memory_bytes": KV_BYTES, "logits_processors": [SCRIPTED_PROCESSOR],
                        "max_num_seqs": max(opts.concurrency)}}
 
 

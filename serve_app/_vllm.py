@@ -23,7 +23,11 @@ __all__ = [
     "build_engine_state",
     "build_render_state",
     "call_vllm",
+    "check_engine_args",
     "engine_cli_args",
+    "engine_config_verdict",
+    "load_chat_template",
+    "parse_engine_args",
     "vllm_cli_args",
     "vllm_sanitize_message",
 ]
@@ -81,20 +85,36 @@ def vllm_cli_args(args: AppArgs, model: ResolvedModel) -> list[str]:
     """The ``vllm launch render`` command line equivalent to ``args``."""
     argv = ["--model", model.model_dir, "--tokenizer", model.tokenizer_dir, "--max-model-len", str(model.max_model_len)]
     argv += ["--served-model-name", *model.served_model_names, "--max-logprobs", str(args.max_logprobs)]
+    argv += _format_flags(args)
     if args.tool_call_parser:
         argv += ["--tool-call-parser", args.tool_call_parser]
     if args.enable_auto_tool_choice:
         argv += ["--enable-auto-tool-choice"]
     if args.reasoning_parser:
         argv += ["--reasoning-parser", args.reasoning_parser]
-    if args.chat_template:
-        argv += ["--chat-template", args.chat_template]
+    template = model.chat_template or args.chat_template
+    if template:
+        argv += ["--chat-template", template]
     argv += ["--chat-template-content-format", args.chat_template_content_format]
     if args.default_chat_template_kwargs:
         argv += ["--default-chat-template-kwargs", json.dumps(args.default_chat_template_kwargs)]
     if args.trust_request_chat_template:
         argv += ["--trust-request-chat-template"]
     return argv
+
+
+def _format_flags(args: AppArgs) -> list[str]:
+    """How vLLM reads the model's files: the same flags for render, derender and the engine."""
+    argv = ["--tokenizer-mode", args.tokenizer_mode, "--config-format", args.config_format]
+    return argv + (["--trust-remote-code"] if args.trust_remote_code else [])
+
+
+def load_chat_template(chat_template: str) -> str | None:
+    """vLLM's reading of ``--chat-template``: a file, one of the templates vLLM ships, or inline text."""
+    _patch_vllm_version()
+    from vllm.renderers.chat_utils import load_chat_template as load
+
+    return load(chat_template)
 
 
 class RenderState:
@@ -128,6 +148,7 @@ class RenderState:
 async def build_render_state(args: AppArgs, model: ResolvedModel, extra_argv: list[str] | None = None) -> RenderState:
     """Build what ``vllm launch render`` builds, minus the HTTP server (``run_launch_fastapi``)."""
     _patch_vllm_version()
+    model = model.on_this_node()
     # vLLM reads these limits from the environment on each request; this replica's process is ours,
     # so the configured values are set once here instead.
     os.environ["VLLM_MAX_N_SEQUENCES"] = str(args.limits.max_n_sequences)
@@ -270,37 +291,119 @@ async def build_parser_kit(args: AppArgs, model: ResolvedModel, state: RenderSta
 
 
 def engine_cli_args(args: AppArgs, model: ResolvedModel) -> list[str]:
-    """The ``vllm serve --tokens-only`` command line equivalent to ``args.engine``.
+    """The ``vllm serve`` command line equivalent to ``args`` and ``args.engine``.
 
-    Tool-parser and template flags are left out: the engine never parses output (render and
-    derender do). With ``tokens_only`` off it loads the tokenizer for structured outputs and stop
+    A hub model goes to vLLM by id, at the commit the builder pinned, so vLLM finds (or fetches) the
+    weights itself, as ``vllm serve ID`` does; a builtin or local model by its directory on this node.
+    Tool-parser and template flags are left out: the engine never parses output (render and derender
+    do). With ``tokens_only`` off (the default) it loads the tokenizer for structured outputs and stop
     strings, and gets the reasoning parser, which structured outputs use to wait for the end of
-    reasoning. ``extra_engine_args`` become ``--flag value`` (``True``: a bare
-    flag; lists and dicts: JSON).
+    reasoning. Every other engine argument becomes ``--its-name value`` (``true`` / ``false``:
+    ``--flag`` / ``--no-flag``; a list: its items; a dict: JSON).
     """
-    eng = args.engine
-    argv = ["--model", model.model_dir, "--max-model-len", str(model.max_model_len)]
-    if eng.tokens_only:
+    eng = args.engine.vllm_args()
+    argv = ["--model", model.hub_id or model.model_dir, "--max-model-len", str(model.max_model_len)]
+    if model.hub_id and model.revision:
+        argv += ["--revision", model.revision]
+    if args.download_dir:
+        argv += ["--download-dir", args.download_dir]
+    argv += _format_flags(args)
+    if eng.pop("tokens_only"):
         argv += ["--tokens-only"]
     else:
-        argv += ["--tokenizer", model.tokenizer_dir, "--enable-scale-out"]
+        argv += ["--tokenizer", model.tokenizer_hub_id or model.tokenizer_dir, "--enable-scale-out"]
+        if model.tokenizer_hub_id and model.tokenizer_revision:
+            argv += ["--tokenizer-revision", model.tokenizer_revision]
         if args.reasoning_parser:  # structured outputs start once reasoning has ended, as in `vllm serve`
             argv += ["--reasoning-parser", args.reasoning_parser]
     argv += ["--served-model-name", *model.served_model_names, "--max-logprobs", str(args.max_logprobs)]
-    argv += ["--dtype", eng.dtype, "--max-num-seqs", str(eng.max_num_seqs)]
-    if eng.enforce_eager:
-        argv += ["--enforce-eager"]
-    if eng.kv_cache_memory_bytes is not None:
-        argv += ["--kv-cache-memory-bytes", str(eng.kv_cache_memory_bytes)]
-    if eng.logits_processors:
-        argv += ["--logits-processors", *eng.logits_processors]
-    for key, value in eng.extra_engine_args.items():
+    for key, value in eng.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             argv.append(flag)
-        elif value is not False and value is not None:
-            argv += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+        elif value is False:
+            argv.append("--no-" + key.replace("_", "-"))
+        elif isinstance(value, list):
+            argv += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)]
+        else:
+            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return argv
+
+
+def parse_engine_args(args: AppArgs, model: ResolvedModel) -> tuple[Any, Any]:
+    """vLLM's parsed namespace and ``AsyncEngineArgs`` for the engine, as ``vllm serve`` parses them.
+
+    Raises:
+        ConfigError: a flag vLLM does not know, or a value its parser or ``validate_parsed_serve_args``
+            rejects; the message names the engine argument.
+    """
+    import argparse
+    import contextlib
+    import io
+
+    from serve_app.config import ConfigError
+
+    _patch_vllm_version()
+    from vllm import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    parser.exit_on_error = False
+    argv = engine_cli_args(args, model)
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            ns, unknown = parser.parse_known_args(argv)
+    except (argparse.ArgumentError, SystemExit) as exc:
+        reason = str(exc) if isinstance(exc, argparse.ArgumentError) else stderr.getvalue().strip().splitlines()[-1]
+        raise ConfigError(f"engine: vLLM rejects an engine argument: {reason}") from None
+    if unknown:
+        names = ", ".join(u.lstrip("-").replace("-", "_") for u in unknown if u.startswith("-")) or " ".join(unknown)
+        raise ConfigError(f"engine: unknown vLLM engine argument(s): {names}")
+    try:
+        validate_parsed_serve_args(ns)
+        return ns, AsyncEngineArgs.from_cli_args(ns)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"engine: vLLM rejects the engine arguments: {exc}") from None
+
+
+def engine_config_verdict(args: AppArgs, model: ResolvedModel) -> Any:
+    """vLLM's ``create_engine_config`` on this process's platform, for the model's cached config: the
+    checks between arguments and model (TP divides the heads, max_model_len fits, ...), reading the
+    config and tokenizer files only; no weights, device or Ray, so it runs on the CPU wheel without a GPU.
+
+    Raises:
+        ConfigError: vLLM's message, which names the argument.
+    """
+    from serve_app.config import ConfigError
+
+    _ns, engine_args = parse_engine_args(args, model.on_this_node())
+    from vllm.usage.usage_lib import UsageContext
+
+    # The cached CPU-tier snapshot stands in for the hub id: no hub, no weights.
+    engine_args.model = engine_args.tokenizer = model.on_this_node().model_dir
+    engine_args.revision = engine_args.tokenizer_revision = None
+    try:
+        return engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    except Exception as exc:  # pydantic ValidationError, ValueError, ...: vLLM's own words
+        raise ConfigError(f"engine: vLLM rejects the engine arguments: {_first_lines(exc)}") from None
+
+
+def _first_lines(exc: BaseException) -> str:
+    """vLLM's message without pydantic's echo of every input (``[type=..., input_value=...]``)."""
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines()[:4] if line.strip())
+    return text.split(" [type=")[0].replace("Value error, ", "") or type(exc).__name__
+
+
+def check_engine_args(args: AppArgs, model: ResolvedModel) -> None:
+    """The build-time check: vLLM's parser always; ``create_engine_config`` too when the engine would
+    run on this process's platform (the CPU wheel; on a GPU cluster the engine checks on its node)."""
+    parse_engine_args(args, model)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        engine_config_verdict(args, model)
 
 
 class EngineState:
@@ -359,17 +462,11 @@ async def build_engine_state(args: AppArgs, model: ResolvedModel) -> EngineState
     (``build_async_engine_client_from_engine_args`` + ``init_app_state``), minus the HTTP server."""
     _patch_vllm_version()
     from starlette.datastructures import State
-    from vllm import AsyncEngineArgs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.usage.usage_lib import UsageContext
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    parser = make_arg_parser(FlexibleArgumentParser())
-    ns = parser.parse_args(engine_cli_args(args, model))
-    validate_parsed_serve_args(ns)
-    engine_args = AsyncEngineArgs.from_cli_args(ns)
+    ns, engine_args = parse_engine_args(args, model.on_this_node())
     engine_args.distributed_executor_backend = _executor_backend(args, engine_args)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     _join_placement_group(vllm_config)

@@ -13,7 +13,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-__all__ = ["AppArgs", "DeploymentOptions", "EngineArgs", "ParserSessionArgs", "RequestLimits", "ResolvedModel"]
+__all__ = ["AppArgs", "ConfigError", "DeploymentOptions", "EngineArgs", "ParserSessionArgs", "RequestLimits", "ResolvedModel"]
+
+
+class ConfigError(ValueError):
+    """A configuration vLLM (or this app) rejects, found at build time; the message names the setting."""
 
 
 class _Strict(BaseModel):
@@ -98,34 +102,40 @@ class ParserSessionArgs(_Strict):
     )
 
 
-class EngineArgs(_Strict):
-    """The vLLM engine deployment composed with the CPU tier."""
+# Keys of ``engine:`` that AppArgs sets for every stage (render and derender must agree with the engine).
+_APP_LEVEL_ENGINE_KEYS = (
+    "model", "tokenizer", "revision", "tokenizer_revision", "download_dir", "served_model_name",
+    "max_model_len", "max_logprobs", "tokenizer_mode", "config_format", "trust_remote_code",
+    "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice", "chat_template",
+)
+# Serve's queue bounds when max_num_seqs is left to vLLM: its largest default (1024 on >= 70 GiB GPUs,
+# 256 on smaller ones; vllm/engine/arg_utils.py:get_batch_defaults), so Serve never queues before vLLM.
+VLLM_MAX_DEFAULT_MAX_NUM_SEQS = 1024
+
+
+class EngineArgs(BaseModel):
+    """The vLLM engine deployment composed with the CPU tier.
+
+    Besides the keys below, any vLLM engine argument may be given by its name (``max_num_seqs: 256``,
+    ``tensor_parallel_size: 8``, ``enforce_eager: true``, ``kv_cache_memory_bytes: ...``); it becomes the
+    ``vllm serve`` flag of that name and is checked by vLLM's own parser and config classes when the app
+    is built. Unset ones keep vLLM's defaults (CUDA graphs, its ``max_num_seqs``).
+    """
+
+    model_config = ConfigDict(extra="allow")
 
     enabled: bool = Field(False, description="Run the engine deployment (token ids in, token ids out).")
-    enforce_eager: bool = Field(True, description="vLLM --enforce-eager; much faster start on CPU.")
     tokens_only: bool = Field(
-        True,
+        False,
         description=(
-            "vLLM --tokens-only: no tokenizer in the engine, as `vllm serve --tokens-only`. Set false to "
-            "load one (vLLM --enable-scale-out instead), which structured outputs (tool_choice "
-            "required / named, response_format) and stop strings need."
+            "vLLM --tokens-only: no tokenizer in the engine. Off by default: the engine then loads one (vLLM "
+            "--enable-scale-out), which structured outputs (tool_choice required / named, response_format) "
+            "and stop strings need. On: a smaller engine process, and those answer 400 on the composed API."
         ),
     )
-    dtype: str = Field("auto", description="vLLM --dtype.")
-    max_num_seqs: int = Field(16, gt=0, description="vLLM --max-num-seqs.")
-    kv_cache_memory_bytes: int | None = Field(
-        None,
-        gt=0,
-        description=(
-            "vLLM --kv-cache-memory-bytes. On CPU, vLLM otherwise takes most of the node's free memory "
-            "for KV cache and spends ~40 s warming up; a fixed size skips both."
-        ),
+    extra_engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="More vLLM engine args by name (the same as giving them next to these keys)."
     )
-    logits_processors: list[str] = Field(
-        default_factory=list,
-        description="vLLM --logits-processors: 'module:Class' names, e.g. the scripted-output processor tests use.",
-    )
-    extra_engine_args: dict[str, Any] = Field(default_factory=dict, description="Any other vLLM engine args.")
     accelerator: Literal["auto", "GPU", "CPU"] = Field(
         "auto",
         description=(
@@ -137,17 +147,25 @@ class EngineArgs(_Strict):
         None, description="Ray placement group strategy for the engine's workers; default as serve_app/placement.py."
     )
 
+    @model_validator(mode="after")
+    def _no_app_level_keys(self) -> EngineArgs:
+        for key in {**(self.model_extra or {}), **self.extra_engine_args}:
+            if key.replace("-", "_") in _APP_LEVEL_ENGINE_KEYS:
+                raise ValueError(
+                    f"engine.{key}: set {key.replace('-', '_')} at the top level of args, where render and "
+                    "derender read it too"
+                )
+        return self
+
+    @property
+    def max_num_seqs(self) -> int:
+        """vLLM's max_num_seqs if set here, else the largest default vLLM picks (for Serve's queue bounds)."""
+        return int(self.vllm_args().get("max_num_seqs") or VLLM_MAX_DEFAULT_MAX_NUM_SEQS)
+
     def vllm_args(self) -> dict[str, Any]:
         """The vLLM engine arguments set here, by vLLM's field names (snake_case)."""
-        fields = {
-            "enforce_eager": self.enforce_eager,
-            "tokens_only": self.tokens_only,
-            "dtype": self.dtype,
-            "max_num_seqs": self.max_num_seqs,
-            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
-            "logits_processors": self.logits_processors or None,
-        }
-        return {k: v for k, v in {**fields, **self.extra_engine_args}.items() if v is not None}
+        extra = {k.replace("-", "_"): v for k, v in {**(self.model_extra or {}), **self.extra_engine_args}.items()}
+        return {"tokens_only": self.tokens_only, **{k: v for k, v in extra.items() if v is not None}}
 
 
 DeploymentOptions = dict[str, Any]
@@ -171,12 +189,22 @@ class AppArgs(_Strict):
 
     model: str = Field(
         "qwen3-tiny",
-        description="A builtin model name (qwen3-tiny, deepseek-v4, mistral-sp) or a local model directory.",
+        description=(
+            "vLLM --model: a Hugging Face id (Qwen/Qwen3-8B), a local model directory, or a builtin model "
+            "(qwen3-tiny, deepseek-v4, mistral-sp). A hub id is read from the hub cache (HF_HUB_CACHE / "
+            "HF_HOME, or download_dir), fetched if the node is online; HF_HUB_OFFLINE=1 never fetches."
+        ),
     )
+    revision: str | None = Field(None, description="vLLM --revision: branch, tag or commit of a hub model.")
     served_model_name: list[str] | None = Field(
         None, description="Names clients may send as `model`; the first is reported. Defaults to `model`."
     )
-    tokenizer: str | None = Field(None, description="Tokenizer directory, if not the model directory.")
+    tokenizer: str | None = Field(None, description="vLLM --tokenizer: a hub id or directory, if not the model's.")
+    tokenizer_revision: str | None = Field(None, description="vLLM --tokenizer-revision.")
+    download_dir: str | None = Field(None, description="vLLM --download-dir: the hub cache to use instead of HF_HUB_CACHE.")
+    tokenizer_mode: str = Field("auto", description="vLLM --tokenizer-mode, e.g. mistral (render and engine alike).")
+    config_format: str = Field("auto", description="vLLM --config-format, e.g. mistral.")
+    trust_remote_code: bool = Field(False, description="vLLM --trust-remote-code.")
     max_model_len: int | None = Field(
         None, gt=0, description="Context length; defaults to the model config's max_position_embeddings."
     )
@@ -252,26 +280,65 @@ class AppArgs(_Strict):
         return bool(self.reasoning_parser or (self.tool_call_parser and self.enable_auto_tool_choice))
 
     def resolve(self) -> ResolvedModel:
-        """Build or locate the model directory and derive what every deployment shares."""
-        from serve_app.models import resolve_model
+        """Locate (or fetch the CPU tier's files of) the model and derive what every deployment shares.
 
-        model_dir = resolve_model(self.model)
-        config = json.loads((model_dir / "config.json").read_text())
-        max_model_len = self.max_model_len or int(config.get("max_position_embeddings") or 2048)
-        tokenizer_dir = str(resolve_model(self.tokenizer)) if self.tokenizer else str(model_dir)
+        A hub model is pinned to the commit found here, so replicas on other nodes read the same
+        snapshot (:meth:`ResolvedModel.on_this_node`). With the engine enabled, its arguments are
+        checked by vLLM's own parser and config classes.
+
+        Raises:
+            ModelSourceError: the model or tokenizer cannot be found (the message says where and how to fetch).
+            ConfigError: vLLM rejects an engine argument (the message names it).
+        """
+        from serve_app.model_source import fetch
+
+        snap = fetch(self.model, self.revision, self.download_dir)
+        tok = fetch(self.tokenizer, self.tokenizer_revision, self.download_dir) if self.tokenizer else snap
+        max_model_len = self.max_model_len or _max_position_embeddings(snap.path)
         # Computed here, once, with transformers, so the light PlainDerender replicas never import it.
         from transformers import AutoTokenizer
 
-        hf = AutoTokenizer.from_pretrained(tokenizer_dir)
-        return ResolvedModel(
-            model_dir=str(model_dir),
-            tokenizer_dir=tokenizer_dir,
+        hf = AutoTokenizer.from_pretrained(str(tok.path), trust_remote_code=self.trust_remote_code)
+        model = ResolvedModel(
+            model_dir=str(snap.path),
+            tokenizer_dir=str(tok.path),
             served_model_names=self.served_model_name or [self.model],
             max_model_len=max_model_len,
             special_token_ids=sorted(hf.all_special_ids),
             eos_token_id=hf.eos_token_id,
-            eos_token_ids=_eos_token_ids(model_dir, hf.eos_token_id),
+            eos_token_ids=_eos_token_ids(snap.path, hf.eos_token_id),
+            model=self.model,
+            revision=snap.commit,
+            hub_id=snap.repo_id,
+            tokenizer=self.tokenizer or self.model,
+            tokenizer_revision=tok.commit,
+            tokenizer_hub_id=tok.repo_id,
+            download_dir=self.download_dir,
+            chat_template=_read_template_file(self.chat_template),
         )
+        if self.engine.enabled:
+            from serve_app._vllm import check_engine_args
+
+            check_engine_args(self, model)
+        return model
+
+
+def _read_template_file(chat_template: str | None) -> str | None:
+    """A ``chat_template`` naming a file (relative: to the working directory) is read here, once, and
+    travels inline, so replicas on other nodes need no copy; anything else goes to vLLM as given (an
+    inline template, or the name of one of vLLM's own)."""
+    if chat_template is None or any(c in chat_template for c in "{}\n"):
+        return None
+    path = Path(chat_template).expanduser()
+    return path.read_text(encoding="utf-8") if path.is_file() else None
+
+
+def _max_position_embeddings(model_dir: Path) -> int:
+    config = model_dir / "config.json"
+    if config.is_file():
+        return int(json.loads(config.read_text()).get("max_position_embeddings") or 2048)
+    params = model_dir / "params.json"  # Mistral's format only
+    return int(json.loads(params.read_text()).get("max_seq_len") or 2048) if params.is_file() else 2048
 
 
 def _eos_token_ids(model_dir: Path, eos_token_id: int | None) -> list[int]:
@@ -282,7 +349,7 @@ def _eos_token_ids(model_dir: Path, eos_token_id: int | None) -> list[int]:
     path = model_dir / "generation_config.json"
     if not path.is_file():
         path = model_dir / "config.json"
-    extra = json.loads(path.read_text()).get("eos_token_id")
+    extra = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
     ids.update([extra] if isinstance(extra, int) else extra or ())
     return sorted(ids)
 
@@ -297,10 +364,31 @@ class ResolvedModel(_Strict):
     special_token_ids: list[int]  # the tokenizer's ``all_special_ids``: what ``skip_special_tokens`` drops
     eos_token_id: int | None = None  # the tokenizer's EOS: the stop the engine reports as ``stop_reason`` null
     eos_token_ids: list[int] = Field(default_factory=list)  # every default stop id (see ``_eos_token_ids``)
+    # Where the directories came from, so a replica on another node finds the same files.
+    model: str = ""  # as configured: builtin name, directory or hub id
+    revision: str | None = None  # the hub commit model_dir holds, pinned by the builder
+    hub_id: str | None = None  # set when the model came from the hub
+    tokenizer: str = ""
+    tokenizer_revision: str | None = None
+    tokenizer_hub_id: str | None = None
+    download_dir: str | None = None
+    chat_template: str | None = None  # the text of a ``chat_template`` file, read by the builder
 
     @property
     def name(self) -> str:
         return self.served_model_names[0]
 
     def exists_here(self) -> bool:
-        return Path(self.model_dir, "config.json").is_file()
+        return Path(self.model_dir).is_dir() and Path(self.tokenizer_dir).is_dir()
+
+    def on_this_node(self) -> ResolvedModel:
+        """This model with directories valid on the calling node: the builder may have run on another
+        one. A builtin is built into this node's cache, a hub model's pinned commit is read from (or,
+        online, fetched into) this node's hub cache; a local directory must exist here."""
+        if not self.model:  # built by hand (tests): the directories are all there is
+            return self
+        from serve_app.model_source import fetch
+
+        model_dir = fetch(self.model, self.revision, self.download_dir).path
+        tok = fetch(self.tokenizer, self.tokenizer_revision, self.download_dir).path if self.tokenizer != self.model else model_dir
+        return self.model_copy(update={"model_dir": str(model_dir), "tokenizer_dir": str(tok)})

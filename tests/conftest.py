@@ -143,6 +143,54 @@ def model_dirs() -> dict[str, Path]:
     return {name: ensure_model(name) for name in BUILTINS}
 
 
+def make_hub_cache(
+    cache: Path,
+    repo_id: str,
+    source: Path,
+    commit: str = "0123456789abcdef0123456789abcdef01234567",
+    *,
+    weights: bool = False,
+    config: dict | None = None,
+    files: dict[str, str] | None = None,
+    ref: str | None = "main",
+) -> Path:
+    """A Hugging Face hub cache entry as ``hf download`` leaves it (``models--Org--Name/snapshots/<commit>/``,
+    ``refs/main``), filled with a builtin model's files; returns the snapshot directory.
+
+    ``weights``: copy ``*.safetensors`` too (the engine loads them); ``config``: keys to overwrite in
+    ``config.json`` (a stand-in's shape); ``files``: more files by name and text.
+    """
+    import json
+    import shutil
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file() and not f.name.startswith(".") and (weights or f.suffix != ".safetensors"):
+            shutil.copyfile(f, snapshot / f.name)
+    if config:
+        data = json.loads((snapshot / "config.json").read_text())
+        (snapshot / "config.json").write_text(json.dumps({**data, **config}, indent=2))
+    for name, text in (files or {}).items():
+        (snapshot / name).write_text(text)
+    if ref:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def offline_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An empty hub cache this process reads offline (``HF_HUB_OFFLINE=1``, ``HF_HUB_CACHE``): serve_app
+    reads both at call time, so setting them after huggingface_hub was imported is enough here."""
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    return cache
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
     """A real local Ray cluster, started once per session.
@@ -216,6 +264,9 @@ def colocated_app_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
 SCRIPTED_LOGITS_PROCESSOR = "serve_app.testing.scripted:ScriptedOutputLogitsProcessor"
 ENGINE_KV_CACHE_BYTES = 256 * 1024 * 1024  # a fixed KV cache: no 20 GiB grab, no 40 s warm-up on CPU
 QWEN3_PARSER_ARGS = {"tool_call_parser": "hermes", "reasoning_parser": "qwen3", "enable_auto_tool_choice": True}
+# vLLM's defaults are for GPUs; the CPU tests set the demo engine explicitly, as serve_config.yaml does:
+# no graph capture, 16 sequences, a fixed KV cache, no tokenizer in the engine (`vllm serve --tokens-only`).
+CPU_ENGINE = {"enforce_eager": True, "max_num_seqs": 16, "tokens_only": True, "kv_cache_memory_bytes": ENGINE_KV_CACHE_BYTES}
 
 
 @pytest.fixture(scope="session")
@@ -228,11 +279,7 @@ def engine_app_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
         model="qwen3-tiny",
         **QWEN3_PARSER_ARGS,
         colocate_in_ingress=["render", "plain_derender"],
-        engine={
-            "enabled": True,
-            "kv_cache_memory_bytes": ENGINE_KV_CACHE_BYTES,
-            "logits_processors": [SCRIPTED_LOGITS_PROCESSOR],
-        },
+        engine={"enabled": True, **CPU_ENGINE, "logits_processors": [SCRIPTED_LOGITS_PROCESSOR]},
     )
 
 

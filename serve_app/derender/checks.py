@@ -66,6 +66,7 @@ class DerenderModel:
     @classmethod
     def from_config(cls, args: Any, model: Any) -> DerenderModel:
         """From the app's ``AppArgs`` and ``ResolvedModel``: loads the tokenizer (``tokenizers`` only)."""
+        model = model.on_this_node()  # the builder may have run on another node
         tok = DetokTokenizer(model.tokenizer_dir, model.special_token_ids)
         bounds = args.limits
         limits = DerenderLimits(

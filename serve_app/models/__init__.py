@@ -109,13 +109,8 @@ def ensure_model(name: str) -> Path:
 
 
 def resolve_model(model: str) -> Path:
-    """A builtin name becomes its cached directory; anything else is taken as a local directory."""
-    if is_builtin(model):
-        return ensure_model(model)
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"model {model!r} is neither a builtin ({', '.join(sorted(BUILTIN_MODELS))}) "
-            "nor a local model directory"
-        )
-    return path.resolve()
+    """A builtin name becomes its cached directory, a directory itself, a hub id its cached snapshot
+    (serve_app/model_source.py)."""
+    from serve_app.model_source import fetch
+
+    return fetch(model).path

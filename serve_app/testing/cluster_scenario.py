@@ -118,7 +118,9 @@ def app_args(opts: Options) -> dict[str, Any]:
         "tool_call_parser": "hermes",
         "reasoning_parser": "qwen3",
         "enable_auto_tool_choice": True,
-        "engine": {"enabled": True, "kv_cache_memory_bytes": 256 * 1024 * 1024},
+        # The CPU demo engine, set explicitly (vLLM's defaults are for GPUs), as serve_config.yaml.
+        "engine": {"enabled": True, "enforce_eager": True, "max_num_seqs": 16, "tokens_only": True,
+                   "kv_cache_memory_bytes": 256 * 1024 * 1024},
         "deployments": {
             "ingress": {"num_replicas": 1, "ray_actor_options": tier},
             "render": {"num_replicas": 1, "ray_actor_options": tier},

@@ -98,7 +98,7 @@ def test_errors_are_typed(client):
 
 
 def test_structured_outputs_need_a_tokenizer_in_the_engine(client):
-    """A tokens-only engine (the default, as `vllm serve --tokens-only`) cannot constrain decoding:
+    """A tokens-only engine (the CPU demo setting, as `vllm serve --tokens-only`) cannot constrain decoding:
     a clean 400, not a hang or a 500. `engine.tokens_only: false` lifts this."""
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
@@ -112,7 +112,7 @@ def tokenizer_engine_url(serve_instance, model_dirs) -> str:
     """A second app whose engine loads the tokenizer (``engine.tokens_only: false``)."""
     from ray import serve
 
-    from tests.conftest import ENGINE_KV_CACHE_BYTES, QWEN3_PARSER_ARGS, SCRIPTED_LOGITS_PROCESSOR, deploy_app
+    from tests.conftest import CPU_ENGINE, QWEN3_PARSER_ARGS, SCRIPTED_LOGITS_PROCESSOR, deploy_app
 
     url = deploy_app(
         "engine_tok",
@@ -120,12 +120,7 @@ def tokenizer_engine_url(serve_instance, model_dirs) -> str:
         model="qwen3-tiny",
         **QWEN3_PARSER_ARGS,
         colocate_in_ingress=["render", "plain_derender"],
-        engine={
-            "enabled": True,
-            "tokens_only": False,
-            "kv_cache_memory_bytes": ENGINE_KV_CACHE_BYTES,
-            "logits_processors": [SCRIPTED_LOGITS_PROCESSOR],
-        },
+        engine={"enabled": True, **CPU_ENGINE, "tokens_only": False, "logits_processors": [SCRIPTED_LOGITS_PROCESSOR]},
     )
     yield url
     serve.delete("engine_tok")
@@ -169,13 +164,13 @@ def no_parser_engine_url(serve_instance, model_dirs) -> str:
     """The engine with no tool or reasoning parser: composed chat derenders through PlainDerender's service."""
     from ray import serve
 
-    from tests.conftest import ENGINE_KV_CACHE_BYTES, SCRIPTED_LOGITS_PROCESSOR, deploy_app
+    from tests.conftest import CPU_ENGINE, SCRIPTED_LOGITS_PROCESSOR, deploy_app
 
     url = deploy_app(
         "engine_plain",
         "/engine-plain",
         model="qwen3-tiny",
-        engine={"enabled": True, "kv_cache_memory_bytes": ENGINE_KV_CACHE_BYTES, "logits_processors": [SCRIPTED_LOGITS_PROCESSOR]},
+        engine={"enabled": True, **CPU_ENGINE, "logits_processors": [SCRIPTED_LOGITS_PROCESSOR]},
     )
     yield url
     serve.delete("engine_plain")

@@ -23,7 +23,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import ENGINE_KV_CACHE_BYTES, QWEN3_PARSER_ARGS, SCRIPTED_LOGITS_PROCESSOR, SERVE_HTTP_PORT
+from tests.conftest import CPU_ENGINE, QWEN3_PARSER_ARGS, SCRIPTED_LOGITS_PROCESSOR, SERVE_HTTP_PORT
 from tests.integration.test_parser_derender import CHAT_REQUEST, OUTPUT, _chunk_body
 
 APP = "faults"
@@ -41,7 +41,7 @@ def _deploy(ingress_replicas: int = 2, parser_replicas: int = 2) -> str:
     def fixed(n: int) -> dict:
         return {"autoscaling_config": {"min_replicas": n, "max_replicas": n, "initial_replicas": n, "downscale_delay_s": 0}}
 
-    engine = {"enabled": True, "kv_cache_memory_bytes": ENGINE_KV_CACHE_BYTES, "logits_processors": [SCRIPTED_LOGITS_PROCESSOR]}
+    engine = {"enabled": True, **CPU_ENGINE, "logits_processors": [SCRIPTED_LOGITS_PROCESSOR]}
     app = {
         "name": APP,
         "route_prefix": f"/{APP}",

@@ -9,8 +9,9 @@ import yaml
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
+from serve_app._vllm import engine_cli_args
 from serve_app.app import build_app, merge_options
-from serve_app.config import AppArgs
+from serve_app.config import VLLM_MAX_DEFAULT_MAX_NUM_SEQS, AppArgs, ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted([ROOT / "serve_config.yaml", *(ROOT / "configs").glob("*.yaml")])
@@ -45,6 +46,71 @@ class TestAppArgs:
         assert resolved.served_model_names == ["mistral-sp"]
         assert resolved.max_model_len == 1024
         assert AppArgs(model="qwen3-tiny").resolve().max_model_len == 4096  # max_position_embeddings
+
+
+class TestEngineArgs:
+    """``engine:`` takes vLLM's engine arguments by name, vLLM's defaults otherwise, checked by vLLM."""
+
+    def test_defaults_are_vllms(self, model_dirs):
+        args = AppArgs(engine={"enabled": True})
+        assert args.engine.vllm_args() == {"tokens_only": False}
+        argv = engine_cli_args(args, args.resolve())
+        # No demo settings: CUDA graphs, vLLM's max_num_seqs, a tokenizer in the engine.
+        for flag in ("--enforce-eager", "--max-num-seqs", "--tokens-only", "--kv-cache-memory-bytes", "--dtype"):
+            assert flag not in argv
+        assert "--enable-scale-out" in argv and argv[argv.index("--tokenizer") + 1] == str(model_dirs["qwen3-tiny"])
+
+    def test_any_vllm_argument_by_name_becomes_its_flag(self):
+        engine = {
+            "tensor_parallel_size": 2,
+            "enforce_eager": True,
+            "enable_prefix_caching": False,
+            "logits_processors": ["a:B", "c:D"],
+            "hf_overrides": {"rope_theta": 1.0},
+            "extra_engine_args": {"gpu_memory_utilization": 0.8},
+        }
+        args = AppArgs(engine=engine)
+        assert args.engine.vllm_args() == {
+            "tokens_only": False,
+            "tensor_parallel_size": 2,
+            "enforce_eager": True,
+            "enable_prefix_caching": False,
+            "logits_processors": ["a:B", "c:D"],
+            "hf_overrides": {"rope_theta": 1.0},
+            "gpu_memory_utilization": 0.8,
+        }
+        argv = " ".join(engine_cli_args(args, AppArgs().resolve()))
+        assert "--tensor-parallel-size 2 --enforce-eager --no-enable-prefix-caching --logits-processors a:B c:D" in argv
+        assert '--hf-overrides {"rope_theta": 1.0} --gpu-memory-utilization 0.8' in argv
+
+    def test_max_num_seqs_for_servers_queue_bounds(self):
+        assert AppArgs(engine={"max_num_seqs": 16}).engine.max_num_seqs == 16
+        assert AppArgs().engine.max_num_seqs == VLLM_MAX_DEFAULT_MAX_NUM_SEQS  # vLLM's largest default
+
+    @pytest.mark.parametrize(
+        ("engine", "message"),
+        [
+            ({"max_num_sequences": 8}, "unknown vLLM engine argument.*max_num_sequences"),
+            ({"extra_engine_args": {"not_an_arg": True}}, "unknown vLLM engine argument.*not_an_arg"),
+            ({"max_num_seqs": "lots"}, "argument --max-num-seqs: invalid int value: 'lots'"),
+            ({"dtype": "float17"}, "argument --dtype: invalid choice: 'float17'"),
+            ({"tensor_parallel_size": 3}, r"attention heads \(2\) must be divisible by tensor parallel size \(3\)"),
+        ],
+    )
+    def test_vllm_rejects_a_bad_argument_at_build_time_by_name(self, model_dirs, engine, message):
+        with pytest.raises(ConfigError, match=message) as info:
+            AppArgs(engine={"enabled": True, **engine}).resolve()
+        exc = info.value  # no lower layer's traceback: nothing chained, or chained `from None`
+        assert exc.__cause__ is None and (exc.__context__ is None or exc.__suppress_context__)
+
+    def test_app_level_keys_are_refused_under_engine(self):
+        with pytest.raises(ValidationError, match="engine.tokenizer_mode: set tokenizer_mode at the top level"):
+            AppArgs(engine={"tokenizer_mode": "mistral"})
+
+    def test_cpu_demo_settings_are_explicit_in_serve_config(self):
+        config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+        engine = AppArgs.model_validate(config["applications"][0]["args"]).engine.vllm_args()
+        assert engine == {"tokens_only": True, "enforce_eager": True, "max_num_seqs": 16, "kv_cache_memory_bytes": 1 << 30}
 
 
 class TestBuilder:

@@ -156,6 +156,8 @@ def test_build_is_reproducible(name: str, tmp_path: Path, model_dirs: dict[str, 
 
 
 def test_resolve_model_rejects_unknown(tmp_path: Path):
-    with pytest.raises(FileNotFoundError, match="neither a builtin"):
+    from serve_app.model_source import ModelSourceError
+
+    with pytest.raises(ModelSourceError, match="neither a builtin"):
         resolve_model(str(tmp_path / "missing"))
     assert resolve_model(str(tmp_path)) == tmp_path.resolve()
