@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "serve_app.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 NAME = re.compile(r"(?<![\w:])((?:serve_app|ray_serve|ray_vllm|autoscaler)_[a-zA-Z0-9_]+|vllm:[a-zA-Z0-9_:]+)")
-GROUPING = re.compile(r"\bby \(([^)]*)\)")
+GROUPING = re.compile(r"\bby \(([^)]*)\)\s*\(")
 COMPOSED = ("/v1/chat/completions", "/v1/completions")
 LONG = {"max_tokens": 3000, "ignore_eos": True}
 
@@ -54,8 +54,17 @@ def _names(prefix: str) -> set[str]:
     return {n for e in _exprs() for n in NAME.findall(e) if n.startswith(prefix)}
 
 
-def _grouped(expr: str) -> set[str]:
-    return {label.strip() for g in GROUPING.findall(expr) for label in g.split(",")} - {"le", ""}
+def _grouped(expr: str, name: str) -> set[str]:
+    """The labels the aggregations around ``name`` in ``expr`` group by (``sum by (a, le) (... name ...)``)."""
+    labels: set[str] = set()
+    for match in GROUPING.finditer(expr):
+        depth, end = 1, match.end()
+        while depth and end < len(expr):
+            depth += {"(": 1, ")": -1}.get(expr[end], 0)
+            end += 1
+        if name in NAME.findall(expr[match.end() : end]):
+            labels |= {label.strip() for label in match.group(1).split(",")}
+    return labels - {"le", ""}
 
 
 def _labels(text: str) -> dict[str, set[str]]:
@@ -143,7 +152,7 @@ def test_every_app_series_the_dashboard_and_alerts_query_is_scraped_with_its_lab
     assert names - labels.keys() == set()
     for expr in _exprs():
         for name in {n for n in NAME.findall(expr) if n.startswith(("serve_app_", "vllm:"))}:
-            assert _grouped(expr) <= labels[name], (expr, name, labels[name])
+            assert _grouped(expr, name) <= labels[name], (expr, name, labels[name])
     # Every Ingress replica's counters, labelled; the ParserDerender replicas' caches and the Engine
     # replicas' vLLM series, asked at the scrape.
     assert "replica" in labels["serve_app_http_requests_total"]
@@ -234,7 +243,7 @@ def test_every_ray_vllm_series_queried_is_one_ray_prometheus_stat_logger_registe
     assert _names("ray_vllm_") - series.keys() == set()
     for expr in _exprs():
         for name in {n for n in NAME.findall(expr) if n.startswith("ray_vllm_")}:
-            assert _grouped(expr) <= series[name], (expr, name, series[name])
+            assert _grouped(expr, name) <= series[name], (expr, name, series[name])
     assert all("ReplicaId" in tags for tags in series.values())
 
 
