@@ -26,6 +26,8 @@ __all__ = [
     "check_engine_args",
     "engine_cli_args",
     "engine_config_verdict",
+    "engine_metric_families",
+    "engine_stat_loggers",
     "load_chat_template",
     "parse_engine_args",
     "vllm_cli_args",
@@ -476,6 +478,7 @@ async def build_engine_state(args: AppArgs, model: ResolvedModel) -> EngineState
         enable_log_requests=engine_args.enable_log_requests,
         aggregate_engine_logging=engine_args.aggregate_engine_logging,
         disable_log_stats=engine_args.disable_log_stats,
+        stat_loggers=None if engine_args.disable_log_stats else engine_stat_loggers(),
     )
     try:
         await engine.reset_mm_cache()
@@ -485,3 +488,25 @@ async def build_engine_state(args: AppArgs, model: ResolvedModel) -> EngineState
         engine.shutdown()
         raise
     return EngineState(engine, state)
+
+
+def engine_stat_loggers() -> list[Any]:
+    """vLLM's Prometheus stat loggers, twice: Ray's (``ray_vllm_*`` through Ray's metrics agent, tagged
+    ``ReplicaId``, as Ray Serve LLM passes it) and vLLM's own on prometheus_client's registry
+    (``vllm:*``, what ``vllm serve`` serves at ``/metrics``; :func:`engine_metric_families` reads it).
+
+    Both are named because vLLM adds its default Prometheus logger only when no factory made one, and
+    Ray's is one. Ray's comes first: each one's constructor unregisters the ``vllm:`` collectors already
+    on the global registry, so the plain one must be built last.
+    """
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+    return [RayPrometheusStatLogger, PrometheusStatLogger]
+
+
+def engine_metric_families() -> list[Any]:
+    """This process's ``vllm:*`` metric families, as ``vllm serve``'s ``/metrics`` collects them."""
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    return [f for f in get_prometheus_registry().collect() if f.name.startswith("vllm:")]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -28,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 from serve_app.derender.stop import engine_stop_reason
 from serve_app.errors import envelope
 from serve_app.health import replica_gone, routable
+from serve_app.logs import get_logger
 from serve_app.streaming import cancel_on_close, peek
 from serve_app.timeouts import within
 from serve_app.wire import stream_flag
@@ -43,7 +43,7 @@ __all__ = [
     "colocated_render_state",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 T = TypeVar("T")
 RETRY_LOG = "sent again to another Engine replica"  # logged on each retry (tests/integration/test_engine_failover.py reads it)

@@ -153,6 +153,12 @@ class EngineService:
     def num_unfinished_requests(self) -> int:
         return self.engine.output_processor.get_num_unfinished_requests()
 
+    def metric_families(self) -> list[Any]:
+        """vLLM's ``vllm:*`` families of this process (prometheus_client ``Metric``), as ``vllm serve`` exports them."""
+        from serve_app._vllm import engine_metric_families
+
+        return engine_metric_families()
+
     async def check_health(self) -> None:
         await self.engine.check_health()
 
@@ -217,6 +223,10 @@ class Engine:
     async def stats(self) -> dict[str, Any]:
         """Requests this replica's engine still holds (0 once every stream ended or was aborted)."""
         return {"num_unfinished_requests": self.service.num_unfinished_requests()}
+
+    async def metric_families(self) -> tuple[str, list[Any]]:
+        """By handle, for the Ingress answering ``/metrics``: this replica's id and its vLLM series."""
+        return serve.get_replica_context().replica_id.unique_id, self.service.metric_families()
 
     async def check_health(self) -> None:
         await self.service.check_health()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,6 +28,7 @@ from serve_app.errors import ApiError, ServiceUnavailableError, envelope, error_
 from serve_app.front_door import BodyDeadlineMiddleware
 from serve_app.health import StageHealth, routable, routable_replicas
 from serve_app.limits import BodySizeLimitMiddleware
+from serve_app.logs import get_logger
 from serve_app.metrics import CONTENT_TYPE_LATEST, HttpMetrics, MetricsMiddleware
 from serve_app.streaming import cancel_on_close, sse_response, sse_stream
 from serve_app.timeouts import within
@@ -36,7 +36,7 @@ from serve_app.wire import check_json_content_type, load_body, stream_flag
 
 __all__ = ["Ingress", "api"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 RETRY_AFTER_S = 2  # what a 503 asks the client to wait, in seconds
 
@@ -427,7 +427,7 @@ class Ingress:
         out = await compose(body, request.headers.get("x-request-id"))
         if isinstance(out, (bytes, bytearray)):
             return Response(out, media_type="application/json")
-        return await sse_response(sse_stream(out))
+        return await sse_response(sse_stream(metrics.timed(out, request.scope)))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -463,11 +463,15 @@ class Ingress:
 
     @api.get("/metrics")
     async def prometheus(self) -> Response:
-        """Every Ingress replica's series (``replica`` label), whichever replica the scrape reached, and
-        the parser-session caches: the ParserDerender replicas', and the Ingress replicas' own when
-        parser derender is colocated (serve_app/metrics.py)."""
-        (replicas, local_caches), caches = await asyncio.gather(self._ingress_families(), self._session_cache_stats())
+        """Every Ingress replica's series (``replica`` label), whichever replica the scrape reached, the
+        parser-session caches (the ParserDerender replicas', and the Ingress replicas' own when parser
+        derender is colocated) and every Engine replica's vLLM series (serve_app/metrics.py)."""
+        (replicas, local_caches), caches, engines = await asyncio.gather(
+            self._ingress_families(), self._session_cache_stats(), self._engine_families()
+        )
         metrics.set_replicas(replicas)
+        if self.engine is not None:
+            metrics.set_engines(engines)
         if self.parser_derender is not None:
             # The Ingress replicas' own caches (parser derender colocated) next to ParserDerender's.
             metrics.set_session_caches(None if caches is None else [*caches, *local_caches], self.args.parser_sessions.max_tokens)
@@ -497,6 +501,17 @@ class Ingress:
             answers = []
         replies = {a[0]: a for a in answers if isinstance(a, tuple)} | {own[0]: own}
         return {r[0]: r[1] for r in replies.values()}, [r[2] for r in replies.values() if len(r) > 2 and r[2] is not None]
+
+    async def _engine_families(self) -> list[Any] | None:
+        """Every Engine replica's ``metric_families()`` (an exception in place of a replica that failed),
+        one call each, 2 s at most; ``None`` when they could not be asked or there is no Engine."""
+        if self.engine is None:
+            return None
+        try:
+            return await self.engine.broadcast("metric_families").results_async(timeout_s=2.0, return_exceptions=True)
+        except Exception as exc:
+            logger.info("engine metrics unavailable: %s", exc)
+            return None
 
     async def _session_cache_stats(self) -> list[Any] | None:
         """Every ParserDerender replica's ``stats()`` (an exception in place of a replica that failed),

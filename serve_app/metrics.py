@@ -11,24 +11,60 @@ when replicas come and go. Sum over ``replica`` in PromQL.
 The parser-session caches live in the ParserDerender replicas and, with parser derender colocated,
 in the Ingress replicas: the ingress asks them for their cache stats when it is scraped
 (:meth:`HttpMetrics.set_session_caches`) and exports the answers, one series per replica holding
-sessions (``replica`` label; ``Ingress:<id>`` for an Ingress). The dashboard and alert queries are in
-``deploy/grafana/serve_app.json`` and ``docs/operations.md``.
+sessions (``replica`` label; ``Ingress:<id>`` for an Ingress).
+
+The Engine replicas' vLLM series are asked for the same way (:meth:`HttpMetrics.set_engines`) and
+exported under vLLM's own names and labels, as ``vllm serve`` serves them (``vllm:num_requests_running``,
+``vllm:time_to_first_token_seconds``, ...), plus ``replica``: the Engine replica. Each Engine replica
+also hands the same series to Ray's metrics agent (``ray_vllm_*``, tag ``ReplicaId``), as Ray Serve
+LLM does (``serve_app/_vllm.py:engine_stat_loggers``).
+
+Streams: the composed routes time their chunks (:meth:`HttpMetrics.timed`: time to first token and
+between tokens, as the client sees them), and a response that fails after its first byte (an in-band
+error frame, an exception, the client going away) is counted by cause in
+``serve_app_stream_errors_total`` and recorded with the error's status, not the 200 it started with.
+The dashboard and alert queries are in ``deploy/grafana/serve_app.json`` and
+``deploy/prometheus/alerts.yml``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+from starlette.requests import ClientDisconnect
 
-__all__ = ["CONTENT_TYPE_LATEST", "HttpMetrics", "MetricsMiddleware", "ReplicaCollector", "SessionCacheCollector"]
+from serve_app.errors import envelope
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+__all__ = [
+    "CONTENT_TYPE_LATEST",
+    "STREAM_ERROR_CAUSES",
+    "EngineCollector",
+    "HttpMetrics",
+    "MetricsMiddleware",
+    "ReplicaCollector",
+    "SessionCacheCollector",
+]
+
+# Whole requests: sub-millisecond render calls up to streams of an hour.
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+# vLLM's own TTFT and inter-token boundaries (vllm/v1/metrics/buckets.py), so the composed route's
+# quantiles compare with the engine's; the inter-token ones start lower, at one millisecond.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160, 640, 2560)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+
+STREAM_ERROR_CAUSES = ("engine_died", "timeout", "client_disconnect", "internal")
+_CAUSE_BY_STATUS = {503: "engine_died", 504: "timeout"}  # after the first byte only the engine can be gone
+_CLIENT_CLOSED = 499  # nginx's "client closed request": recorded as the status of a request the client left
+_START = "serve_app.start"  # ASGI scope key: when the middleware saw the request (for time to first token)
+_SSE_ERROR = b'data: {"error"'  # an in-band error frame: vLLM's (`json.dumps`) and the composed path's
 
 
 class HttpMetrics:
@@ -47,6 +83,29 @@ class HttpMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.ttft = Histogram(
+            "serve_app_time_to_first_token_seconds",
+            "Composed streams: time from the request's arrival to its first chunk with tokens, by route.",
+            ("route",),
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "serve_app_inter_token_latency_seconds",
+            "Composed streams: time between consecutive chunks with tokens of one response, by route.",
+            ("route",),
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.stream_errors = Counter(
+            "serve_app_stream_errors",
+            "Responses that failed after their first byte (counted with that error's status in "
+            "serve_app_http_requests_total, not 200), by route and cause: engine_died, timeout, "
+            "client_disconnect, internal.",
+            ("route", "cause"),
+            registry=self.registry,
+        )
+        self._stream_routes: set[str] = set()
 
         self.parser_sessions = Counter(
             "serve_app_parser_session_chunks",
@@ -65,8 +124,10 @@ class HttpMetrics:
         self.replicas = ReplicaCollector(self.registry)
         self.session_caches = SessionCacheCollector()
         self.exported = CollectorRegistry(auto_describe=False)
+        self.engines = EngineCollector()
         self.exported.register(self.replicas)
         self.exported.register(self.session_caches)
+        self.exported.register(self.engines)
 
     def families(self) -> list[Metric]:
         """This replica's own series, for the replica that answers a scrape."""
@@ -81,9 +142,39 @@ class HttpMetrics:
         own), exported until the next call."""
         self.session_caches.update(stats, max_tokens)
 
+    def set_engines(self, answers: Sequence[Any] | None) -> None:
+        """The Engine replicas' ``Engine.metric_families()`` answers (``(replica id, families)``;
+        anything else marks a replica that did not answer), exported until the next call; ``None``:
+        the replicas could not be asked."""
+        self.engines.update(answers)
+
     def observe(self, route: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(route, method, str(status)).inc()
         self.latency.labels(route, method).observe(seconds)
+
+    def stream_started(self, route: str) -> None:
+        """Every cause's error counter at 0 for a streaming route, so a first failure shows as a rate."""
+        if route not in self._stream_routes:
+            self._stream_routes.add(route)
+            for cause in STREAM_ERROR_CAUSES:
+                self.stream_errors.labels(route, cause)
+
+    async def timed(self, chunks: AsyncIterator[dict[str, Any]], scope: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """A composed stream's chunk dicts, passed through, timed for the route's time to first token
+        (from the request's arrival) and inter-token latency (between chunks with tokens; usage-only
+        chunks and the in-band error carry none)."""
+        route = _template(scope)
+        last = scope.get(_START) or time.perf_counter()
+        histogram = self.ttft
+        try:
+            async for chunk in chunks:
+                if chunk.get("choices"):
+                    now = time.perf_counter()
+                    histogram.labels(route).observe(now - last)
+                    histogram, last = self.itl, now
+                yield chunk
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
 
     def render(self) -> bytes:
         """The ``/metrics`` exposition (before any :meth:`set_replicas`: this replica's series, unlabelled)."""
@@ -91,7 +182,12 @@ class HttpMetrics:
 
 
 class MetricsMiddleware:
-    """Pure ASGI middleware (no per-request task group, unlike ``BaseHTTPMiddleware``)."""
+    """Pure ASGI middleware (no per-request task group, unlike ``BaseHTTPMiddleware``).
+
+    It records the status the client got: a response that breaks off after its first byte counts as
+    the error that broke it (an in-band error frame's code, the exception's status, 499 when the client
+    left), and in ``serve_app_stream_errors_total`` by cause.
+    """
 
     def __init__(self, app: Any, metrics: HttpMetrics) -> None:
         self.app = app
@@ -101,22 +197,81 @@ class MetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        start = time.perf_counter()
-        status = 500
+        start = scope[_START] = time.perf_counter()
+        status: int | None = None  # as sent in http.response.start
+        finished = disconnected = False
+        in_band: int | None = None  # the code of an error frame sent inside a started stream
+
+        async def receive_wrapper() -> dict[str, Any]:
+            nonlocal disconnected
+            message = await receive()
+            disconnected = disconnected or message["type"] == "http.disconnect"
+            return message
 
         async def send_wrapper(message: dict[str, Any]) -> None:
-            nonlocal status
+            nonlocal status, finished, in_band
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if dict(message.get("headers") or ()).get(b"content-type", b"").startswith(b"text/event-stream"):
+                    self.metrics.stream_started(_template(scope))
+            elif message["type"] == "http.response.body":
+                body = message.get("body", b"")
+                if in_band is None and body.startswith(_SSE_ERROR):
+                    in_band = _error_code(body)
+                finished = not message.get("more_body", False)
             await send(message)
 
+        raised: int | None = None  # the status of an exception that escaped the app
         try:
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, receive_wrapper, send_wrapper)
+        except (asyncio.CancelledError, ClientDisconnect):  # the client went away (Serve cancels its request)
+            disconnected = True
+            raise
+        except Exception as exc:
+            raised = envelope(exc)[0]  # what the outermost handler answers, if nothing was sent
+            raise
         finally:
-            route = scope.get("route")
-            # Templates, not raw paths, so label cardinality stays bounded.
-            template = getattr(route, "path", None) or "unmatched"
-            self.metrics.observe(template, scope.get("method", ""), status, time.perf_counter() - start)
+            route = _template(scope)
+            failed: int | None = None
+            if status is None:  # nothing sent
+                status = _CLIENT_CLOSED if disconnected and raised is None else raised or 500
+            elif in_band is not None:
+                failed = in_band
+            elif not finished:  # broke off after its first byte
+                failed = raised or _CLIENT_CLOSED
+            if failed is not None:
+                cause = "client_disconnect" if failed == _CLIENT_CLOSED else _CAUSE_BY_STATUS.get(failed, "internal")
+                self.metrics.stream_errors.labels(route, cause).inc()
+                status = failed
+            self.metrics.observe(route, scope.get("method", ""), status, time.perf_counter() - start)
+
+
+def _template(scope: Mapping[str, Any]) -> str:
+    """The route template, not the raw path, so label cardinality stays bounded."""
+    return getattr(scope.get("route"), "path", None) or "unmatched"
+
+
+def _error_code(frame: bytes) -> int:
+    """The ``code`` of an in-band ``data: {"error": {...}}`` frame (500 if it has none)."""
+    try:
+        code = json.loads(frame[len(b"data: ") :])["error"]["code"]
+        return int(code) if int(code) >= 400 else 500
+    except (ValueError, KeyError, TypeError):
+        return 500
+
+
+def _by_replica(replicas: Mapping[str, Sequence[Metric]]) -> Iterator[Metric]:
+    """Each replica's families merged family by family (a family's samples must be one group in the
+    text format), every sample labelled with its ``replica``."""
+    merged: dict[str, Metric] = {}
+    for replica, families in sorted(replicas.items()):
+        for family in families:
+            out = merged.get(family.name)
+            if out is None:
+                out = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                out.add_sample(sample.name, {**sample.labels, "replica": replica}, sample.value, sample.timestamp, sample.exemplar)
+    yield from merged.values()
 
 
 class ReplicaCollector(Collector):
@@ -137,15 +292,7 @@ class ReplicaCollector(Collector):
         if self._replicas is None:
             yield from self._own.collect()
             return
-        merged: dict[str, Metric] = {}
-        for replica, families in sorted(self._replicas.items()):
-            for family in families:
-                out = merged.get(family.name)
-                if out is None:
-                    out = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
-                for sample in family.samples:
-                    out.add_sample(sample.name, {**sample.labels, "replica": replica}, sample.value, sample.timestamp, sample.exemplar)
-        yield from merged.values()
+        yield from _by_replica(self._replicas)
         count = GaugeMetricFamily("serve_app_metrics_ingress_replicas", "Ingress replicas whose series this scrape holds.")
         count.add_metric([], len(self._replicas))
         yield count
@@ -221,3 +368,34 @@ class SessionCacheCollector(Collector):
             for s in self._stats:
                 metric.add_metric([str(s["replica"])], float(s.get(key, 0)))
             yield metric
+
+
+class EngineCollector(Collector):
+    """vLLM's series from every Engine replica as of the last scrape, under vLLM's names and labels
+    (``model_name``, ``engine``, ...) plus ``replica``, and whether every replica answered."""
+
+    def __init__(self) -> None:
+        self._replicas: dict[str, Sequence[Metric]] = {}
+        self._up: int | None = None  # None: no Engine in this graph, nothing to export
+
+    def update(self, answers: Sequence[Any] | None) -> None:
+        replies = [a for a in answers or () if isinstance(a, tuple) and len(a) == 2]
+        self._up = int(answers is not None and len(replies) == len(answers))
+        self._replicas = {str(replica): families for replica, families in replies}
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        if self._up is None:
+            return
+        yield from _by_replica(self._replicas)
+        up = GaugeMetricFamily(
+            "serve_app_engine_metrics_up",
+            "1 when the last scrape got every Engine replica's vLLM series, else 0 (the vllm:* series then miss replicas).",
+        )
+        up.add_metric([], self._up)
+        yield up
+        count = GaugeMetricFamily("serve_app_metrics_engine_replicas", "Engine replicas whose vllm:* series this scrape holds.")
+        count.add_metric([], len(self._replicas))
+        yield count

@@ -33,7 +33,6 @@ one-piece decodes whose entries both threads would write alike).
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -61,6 +60,7 @@ from serve_app.derender.responses import chat_chunk, chat_response, stream_state
 from serve_app.derender.sessions import SessionCache, prompt_key, state_digest
 from serve_app.derender.stop import StopTokens
 from serve_app.errors import ApiError, BadRequestError, invalid_request, validation_error
+from serve_app.logs import get_logger
 from serve_app.protocol import (
     DerenderChatRequestUnion,
     DerenderChatStreamRequest,
@@ -72,7 +72,7 @@ from serve_app.wire import dump_json, dump_json_floatless, load_body, validate_m
 
 __all__ = ["ChatStream", "ParserDerenderService", "ParserSession", "RequestConfig", "SessionOutcome"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _CHAT = TypeAdapter(DerenderChatRequestUnion)
 _STREAM_CHUNK = TypeAdapter(GenerateTokensStreamResponse)

@@ -17,7 +17,6 @@ thread so the loop (other requests, ``/health``) keeps turning.
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +47,7 @@ from serve_app.derender.responses import (
 )
 from serve_app.derender.stop import StopTokens
 from serve_app.errors import ApiError, BadRequestError
+from serve_app.logs import get_logger
 from serve_app.protocol import (
     DerenderChatRequestUnion,
     DerenderChatStreamRequest,
@@ -59,7 +59,7 @@ from serve_app.wire import dump_json, load_body, validate_model
 
 __all__ = ["OFFLOAD_EXECUTOR", "OFFLOAD_WORK", "PlainDerenderService", "PlainStream", "run_off_loop", "stop_if_caller_gone"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _CHAT = TypeAdapter(DerenderChatRequestUnion)
 _COMPLETION = TypeAdapter(DerenderCompletionRequestUnion)
