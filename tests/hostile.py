@@ -205,3 +205,26 @@ def with_surrogate(body: Any, path: Path, where: str, surrogate: str = SURROGATE
         holder[key] = holder[key] + surrogate
         named = path
     return out, clean_loc(("body", *named))  # as vLLM words a loc (internal names such as "arguments" dropped)
+
+
+# --- byte-level headers (issue 19): what a raw socket can put in a header line ----------------------
+
+# Every byte but CR, LF and NUL (which end or break the line): latin-1 range, 0x80-0xff, controls.
+HEADER_BYTE = st.integers(min_value=1, max_value=255).filter(lambda b: b not in (10, 13))
+HEADER_VALUE = st.one_of(
+    st.lists(HEADER_BYTE, max_size=60).map(bytes),
+    st.text(max_size=30).map(lambda s: s.encode("utf-8", "surrogatepass")),  # valid UTF-8 (and lone surrogates)
+    st.sampled_from([b"\xff" * 3000, b"a" * 4000, b"\xc3\xa9t\xc3\xa9", b"\xe9t\xe9", b"-1", b"0", b"1e309", b"nan", b" "]),
+)
+# The headers the app, vLLM and Ray read (content-length mismatches are framing, not here).
+READ_HEADERS = [
+    b"x-request-id", b"x-session-id", b"x_session_id", b"content-type", b"authorization",
+    b"x-request-timeout-seconds", b"x-data-parallel-rank", b"serve_multiplexed_model_id", b"x-request-disconnect-disabled",
+]
+NAME_BYTE = HEADER_BYTE.filter(lambda b: b != ord(":"))
+HEADER_NAME = st.one_of(st.sampled_from(READ_HEADERS), st.lists(NAME_BYTE, min_size=1, max_size=20).map(bytes))
+# Ray Serve's Python proxy decodes these as UTF-8 before the app is called (ray/serve/_private/proxy.py,
+# ``_setup_request_context_and_handle``): every header *name*, and the values of the request id,
+# session id and multiplexed-model id headers; http_util decodes the timeout and disconnect headers' values.
+PROXY_DECODED_VALUES = {b"x-request-id", b"x-session-id", b"x_session_id", b"serve_multiplexed_model_id",
+                        b"x-request-timeout-seconds", b"x-request-disconnect-disabled"}
