@@ -29,7 +29,7 @@ from serve_app._vllm import call_vllm
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import ApiError, BadRequestError
 from serve_app.placement import placement_options
-from serve_app.wire import dump_json, load_body, validate_model
+from serve_app.wire import check_engine_ints, dump_json, load_body, validate_model
 
 __all__ = ["Engine", "EngineService", "EngineStreamError"]
 
@@ -109,6 +109,7 @@ class EngineService:
             data = load_body(body)
             if stream is not None and isinstance(data, dict):
                 data = {**data, "stream": stream}
+            check_engine_ints(data)
             request = validate_model(self._request, data)
             check_token_ids(request.token_ids, self.vocab_size)
             return await self.serving.serve_tokens(request, _RawRequest(headers))

@@ -13,6 +13,7 @@ from serve_app.errors import BadRequestError, RequestValidationFailed, invalid_r
 
 __all__ = [
     "MAX_JSON_DEPTH",
+    "check_engine_ints",
     "check_json_content_type",
     "dump_json",
     "dump_json_floatless",
@@ -87,6 +88,25 @@ def _deeper_than(value: Any, limit: int) -> bool:
         if not level:
             return False
     return True
+
+
+_ENGINE_INT_MIN, _ENGINE_INT_MAX = -(2**63), 2**64 - 1
+
+
+def check_engine_ints(data: Any, skip: str = "token_ids") -> None:
+    """Every integer in an engine request fits the msgpack vLLM sends to its EngineCore: outside it the
+    send fails (``OverflowError``) after validation, a 500 in vLLM. Free-form fields (template kwargs a
+    reasoning parser carries, ``vllm_xargs``) take any JSON integer, so the client's value is named in a
+    400 here. ``skip``: a top-level key already bounded (token ids are u32). Iterative, linear."""
+    pending: list[tuple[str, Any]] = [(k, v) for k, v in data.items() if k != skip] if isinstance(data, dict) else []
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, dict):
+            pending.extend((f"{path}.{k}", v) for k, v in value.items())
+        elif isinstance(value, list):
+            pending.extend((f"{path}.{i}", v) for i, v in enumerate(value))
+        elif isinstance(value, int) and not isinstance(value, bool) and not _ENGINE_INT_MIN <= value <= _ENGINE_INT_MAX:
+            raise BadRequestError(f"{path}: integer out of range (the engine takes -2**63 to 2**64-1)", param=path)
 
 
 def _check_depth(body: bytes | bytearray | str, data: Any) -> Any:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serve_app.errors import ApiError, envelope
-from serve_app.wire import MAX_JSON_DEPTH, dump_json, dump_json_floatless, load_body, parse_json, stream_flag
+from serve_app.wire import MAX_JSON_DEPTH, check_engine_ints, dump_json, dump_json_floatless, load_body, parse_json, stream_flag
 from tests.hostile import string_positions, with_surrogate
 
 
@@ -146,3 +146,44 @@ def test_a_lone_surrogate_anywhere_is_a_400_naming_it(doc, data, as_str):
 def test_valid_pairs_and_escaped_backslashes_still_parse(doc):
     text = json.dumps({"doc": doc, "pair": "\U0001f600", "literal": "\\ud800"})  # "\ud83d\ude00", "\\ud800"
     assert parse_json(text.encode()) == json.loads(text)
+
+
+# --- integers the engine cannot carry (msgpack's 64 bits) ----------------------------------------------
+
+_JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.text(max_size=5))
+_JSON = st.recursive(
+    _JSON_LEAF, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=3), kids, max_size=3), max_leaves=12
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=st.dictionaries(st.text(max_size=4), _JSON, max_size=4))
+def test_engine_ints_in_range_pass_and_msgpack_carries_them(body):
+    import msgspec
+
+    check_engine_ints(body)
+    msgspec.msgpack.encode(body)  # what vLLM sends its EngineCore
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    body=st.dictionaries(st.text(max_size=4), _JSON, min_size=1, max_size=4),
+    big=st.one_of(st.integers(max_value=-(2**63) - 1), st.integers(min_value=2**64)),
+    data=st.data(),
+)
+def test_an_engine_int_out_of_range_anywhere_is_a_400_naming_its_field(body, big, data):
+    import msgspec
+
+    # Put it at a random depth: under a key of the body, or inside a value that is an object or list.
+    key = data.draw(st.sampled_from(sorted(body)))
+    body = {**body, key: {"x": [big]} if data.draw(st.booleans()) else big}
+    with pytest.raises(OverflowError):
+        msgspec.msgpack.encode(body)  # vLLM's send to its EngineCore would fail after validation
+    with pytest.raises(ApiError) as got:
+        check_engine_ints(body)
+    status, err = envelope(got.value)
+    assert status == 400 and err["error"]["param"].startswith(key) and "out of range" in err["error"]["message"]
+
+
+def test_engine_token_ids_are_left_to_their_own_check():
+    check_engine_ints({"token_ids": [2**70], "sampling_params": {"seed": 2**63 - 1}})
