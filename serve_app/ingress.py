@@ -151,6 +151,19 @@ def _check_abort_ids(request_ids: Any, max_ids: int) -> None:
         raise BadRequestError(f"request_ids count ({len(request_ids)}) exceeds server maximum ({max_ids})", param="request_ids")
 
 
+async def _ask_every_replica(handle: Any, method: str, what: str) -> list[Any] | None:
+    """``method`` on every replica behind ``handle``, asked at scrape time: one call each, 2 s at most,
+    an exception in place of a replica that failed; ``None`` when there is no such stage or it could not
+    be asked. A scrape never fails because a stage is down."""
+    if handle is None:
+        return None
+    try:
+        return await handle.broadcast(method).results_async(timeout_s=2.0, return_exceptions=True)
+    except Exception as exc:
+        logger.info("%s unavailable: %s", what, exc)
+        return None
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(api)
 class Ingress:
@@ -503,24 +516,10 @@ class Ingress:
         return {r[0]: r[1] for r in replies.values()}, [r[2] for r in replies.values() if len(r) > 2 and r[2] is not None]
 
     async def _engine_families(self) -> list[Any] | None:
-        """Every Engine replica's ``metric_families()`` (an exception in place of a replica that failed),
-        one call each, 2 s at most; ``None`` when they could not be asked or there is no Engine."""
-        if self.engine is None:
-            return None
-        try:
-            return await self.engine.broadcast("metric_families").results_async(timeout_s=2.0, return_exceptions=True)
-        except Exception as exc:
-            logger.info("engine metrics unavailable: %s", exc)
-            return None
+        """Every Engine replica's ``metric_families()``; ``None`` without an Engine (see ``_ask_every_replica``)."""
+        return await _ask_every_replica(self.engine, "metric_families", "engine metrics")
 
     async def _session_cache_stats(self) -> list[Any] | None:
-        """Every ParserDerender replica's ``stats()`` (an exception in place of a replica that failed),
-        asked at scrape time: one call per replica, 2 s at most; ``None`` when they could not be asked.
-        A scrape never fails because a stage is down."""
-        if self.parser_derender is None:
-            return None
-        try:
-            return await self.parser_derender.broadcast("stats").results_async(timeout_s=2.0, return_exceptions=True)
-        except Exception as exc:
-            logger.info("session-cache stats unavailable: %s", exc)
-            return None
+        """Every ParserDerender replica's ``stats()``; ``None`` without one (see ``_ask_every_replica``)."""
+        return await _ask_every_replica(self.parser_derender, "stats", "session-cache stats")
+
