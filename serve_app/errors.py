@@ -236,3 +236,11 @@ def validation_error(errors: Sequence[Mapping[str, Any]], loc_prefix: tuple[str,
         message += f"  ...and {count - _MAX_REPORTED_ERRORS} more {label}\n"
     return RequestValidationFailed(message.rstrip(), param=clean_loc(tuple(errors[0]["loc"])) or None)
 
+
+
+class InvalidChatRequest(Exception):
+    """A ``chat_request`` that failed vLLM's validation, carrying our 400 for it. Parser derender
+    raises it deep down and answers it at its edge with vLLM's exact error for the whole body."""
+
+    def __init__(self, error: ApiError) -> None:
+        self.error = error

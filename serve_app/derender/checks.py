@@ -1,26 +1,25 @@
 """The derender request checks both derender services run, in vLLM 0.32's order and words. Pure.
 
-:class:`DerenderModel` is what a derender service knows of its model (tokenizer, served names,
-limits, EOS ids); the functions bound a request before any decoding, so an oversized one is a 400
-before it costs anything. :func:`check_size` runs first, on the parsed JSON: it bounds the request
+The functions bound a request before any decoding (against
+:class:`~serve_app.derender.model.DerenderLimits`), so an oversized one is a 400 before it costs
+anything. :func:`check_size` runs first, on the parsed JSON: it bounds the request
 as a whole (vLLM bounds each response and choice only) before schema validation, whose cost grows
 with the body and which holds the GIL throughout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
-from serve_app.derender.stop import StopTokens
+from serve_app.derender.model import DerenderLimits
 from serve_app.derender.tokenizer import DetokTokenizer
-from serve_app.errors import BadRequestError, NotFoundError
+from serve_app.errors import ApiError, BadRequestError
+from serve_app.logs import get_logger
 
 __all__ = [
     "CHOICE_WORK",
-    "DerenderLimits",
-    "DerenderModel",
     "check_bounds",
     "check_choices",
     "check_prompt_ids",
@@ -29,7 +28,10 @@ __all__ = [
     "check_stream_window",
     "output_ids",
     "output_work",
+    "stream_state_400",
 ]
+
+logger = get_logger(__name__)
 
 
 def output_ids(choice: Any, where: str = "") -> list[int]:
@@ -41,56 +43,6 @@ def output_ids(choice: Any, where: str = "") -> list[int]:
     if choice.finish_reason == "abort":
         return []
     raise BadRequestError(f"choice {choice.index}{where} has empty or null token_ids")
-
-
-@dataclass(frozen=True, slots=True)
-class DerenderLimits:
-    max_model_len: int
-    max_logprobs: int
-    max_n_sequences: int
-    # Per request, all responses and choices together (serve_app.config.RequestLimits.max_derender_*).
-    max_choices: int = 16384
-    max_tokens: int = 1 << 21
-    max_logprob_entries: int = 1 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class DerenderModel:
-    """One model as derender sees it."""
-
-    tok: DetokTokenizer
-    served_model_names: list[str]
-    limits: DerenderLimits
-    eos_token_ids: list[int]
-
-    @classmethod
-    def from_config(cls, args: Any, model: Any) -> DerenderModel:
-        """From the app's ``AppArgs`` and ``ResolvedModel``: loads the tokenizer (``tokenizers`` only)."""
-        model = model.on_this_node()  # the builder may have run on another node
-        tok = DetokTokenizer(model.tokenizer_dir, model.special_token_ids)
-        bounds = args.limits
-        limits = DerenderLimits(
-            model.max_model_len,
-            args.max_logprobs,
-            bounds.max_n_sequences,
-            bounds.max_derender_choices,
-            bounds.max_derender_tokens,
-            bounds.max_derender_logprobs,
-        )
-        return cls(tok, model.served_model_names, limits, model.eos_token_ids)
-
-    def model_name(self, model: str | None) -> str:
-        """The response's model: the request's, when served here (a 404 otherwise), else the first name."""
-        if model and model not in self.served_model_names:
-            raise NotFoundError(
-                f"The model `{model}` does not exist. Valid aliases: {', '.join(self.served_model_names)}.",
-                param="model",
-            )
-        return model or self.served_model_names[0]
-
-    def stop_tokens(self, request: Any) -> StopTokens:
-        """The stop tokens whose text a ``stop`` finish leaves out, for this chat / completion request."""
-        return StopTokens.of_request(self.eos_token_ids, request)
 
 
 def check_choices(choices: Sequence[Any], limits: DerenderLimits) -> None:
@@ -259,3 +211,20 @@ def check_stream_window(state: Any, tok: DetokTokenizer) -> None:
     pieces = tok.piece_set
     if any(p not in pieces and p != "" for p in state.prev_tokens):
         raise BadRequestError("invalid stream_state: prev_tokens holds pieces outside the vocabulary")
+
+
+@contextmanager
+def stream_state_400(
+    failed: str = "derender", errors: type[Exception] | tuple[type[Exception], ...] = Exception, detail: bool = False
+) -> Iterator[None]:
+    """As vLLM: what breaks while a carried state is decoded or parsed is the caller's 400,
+    ``invalid stream_state: <failed> failed`` (with the error's text when ``detail``); an
+    :class:`~serve_app.errors.ApiError` passes as it is, and an exception outside ``errors`` too."""
+    try:
+        yield
+    except ApiError:
+        raise
+    except errors as exc:
+        message = f"invalid stream_state: {failed} failed"
+        logger.info(message, exc_info=True)
+        raise BadRequestError(f"{message} ({exc})" if detail else message) from None

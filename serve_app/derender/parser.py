@@ -13,7 +13,7 @@ from typing import Any
 from ray import serve
 
 from serve_app.config import AppArgs, ResolvedModel
-from serve_app.derender.checks import DerenderModel
+from serve_app.derender.model import DerenderModel
 from serve_app.derender.parser_service import ParserDerenderService, ParserSession
 from serve_app.derender.sessions import SessionCache
 

@@ -19,7 +19,7 @@ Callers on an event loop (the ``ParserDerender`` replica, the Ingress's composed
 ``chat_async`` / ``chat_with_outcome_async``: the cheap part of a request (parsing, checks, the
 session lookup) runs inline, and the heavy part, a non-streaming answer over a long output or a
 stream chunk that misses the cache and replays a long carried history, in the derender worker
-thread (:data:`~serve_app.derender.plain_service.OFFLOAD_EXECUTOR`), so the other streams on the
+thread (:data:`~serve_app.derender.model.OFFLOAD_EXECUTOR`), so the other streams on the
 loop keep turning. A cache hit never leaves the loop: its work is the new delta, less than the hop.
 Two threads may thus parse at once, never with one session (a session is out of the cache while
 in use); what they share is locked (the session and request caches) or read-only: vLLM's tokenizer
@@ -43,8 +43,8 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
+from serve_app.config import ParserSessionArgs
 from serve_app.derender.checks import (
-    DerenderModel,
     check_bounds,
     check_prompt_ids,
     check_size,
@@ -52,15 +52,15 @@ from serve_app.derender.checks import (
     check_stream_window,
     output_ids,
     output_work,
+    stream_state_400,
 )
 from serve_app.derender.detokenize import detokenize_delta, seed_window
 from serve_app.derender.logprobs import context_tail, resolve_logprobs
-from serve_app.derender.plain_service import OFFLOAD_WORK, run_off_loop, stop_if_caller_gone
+from serve_app.derender.model import OFFLOAD_WORK, DerenderModel, run_off_loop, stop_if_caller_gone
 from serve_app.derender.responses import chat_chunk, chat_response, stream_state, stream_usage, usage
 from serve_app.derender.sessions import SessionCache, prompt_key, state_digest
 from serve_app.derender.stop import StopTokens
-from serve_app.errors import ApiError, BadRequestError, invalid_request, validation_error
-from serve_app.logs import get_logger
+from serve_app.errors import ApiError, BadRequestError, InvalidChatRequest, invalid_request, validation_error
 from serve_app.protocol import (
     DerenderChatRequestUnion,
     DerenderChatStreamRequest,
@@ -72,12 +72,10 @@ from serve_app.wire import dump_json, dump_json_floatless, load_body, validate_m
 
 __all__ = ["ChatStream", "ParserDerenderService", "ParserSession", "RequestConfig", "SessionOutcome"]
 
-logger = get_logger(__name__)
-
 _CHAT = TypeAdapter(DerenderChatRequestUnion)
 _STREAM_CHUNK = TypeAdapter(GenerateTokensStreamResponse)
 _CONFIG_CACHE_SIZE = 1024
-_MAX_REQUEST_BYTES = 32 << 20  # the default of serve_app.config.ParserSessionArgs.max_request_bytes
+_MAX_REQUEST_BYTES: int = ParserSessionArgs.model_fields["max_request_bytes"].default
 # The "choice index" under which a finished stream's session waits for its usage chunk: not an int,
 # so that no chunk's own index (-1 is valid JSON, and vLLM echoes it) reaches another stream's session.
 _FINISHED = None
@@ -111,11 +109,6 @@ class RequestConfig:
     top_logprobs: int  # entries kept per token (-1: all)
     echo: str  # with echo: the last message's text, put in front of the content
     size: int  # what it keeps, for the cache's bound in bytes: the request as JSON, and echo
-
-
-class _InvalidChatRequest(Exception):
-    def __init__(self, error: ApiError) -> None:
-        self.error = error
 
 
 SessionOutcome = Literal["hit", "miss", "new", "none"]
@@ -267,7 +260,7 @@ class ParserDerenderService:
             request = kit.ChatCompletionRequest.model_validate(raw)
         except ValidationError as exc:
             error = validation_error(exc.errors(include_url=False), loc_prefix=("body", "chat_request"))
-            raise _InvalidChatRequest(error) from None
+            raise InvalidChatRequest(error) from None
         except Exception as exc:  # vLLM's validators crashing on the request's shape: its error, a 400
             raise invalid_request(exc) from None
         try:  # still vLLM's checks of the request (e.g. the structured outputs a tool choice asks for)
@@ -367,7 +360,7 @@ class ParserDerenderService:
         """A ``chat_request`` that fails vLLM's validation is answered with the 400 vLLM's derender gives."""
         try:
             yield
-        except _InvalidChatRequest as exc:
+        except InvalidChatRequest as exc:
             validate_model(self.kit.derender_chat_adapter, data)  # raises vLLM's exact 400
             raise exc.error from None
 
@@ -510,13 +503,8 @@ class ParserDerenderService:
         if o.stream_key is None:  # usage-only
             return stream.step(chunk), stream.state(), o.outcome
         assert session is not None
-        try:
+        with stream_state_400():  # a carried state the parser chokes on
             out_chunk, out_state = stream.step(chunk), stream.state()
-        except ApiError:
-            raise
-        except Exception:  # as vLLM: a carried state the parser chokes on is the caller's 400
-            logger.info("invalid stream_state: derender failed", exc_info=True)
-            raise BadRequestError("invalid stream_state: derender failed") from None
         stream_key = o.stream_key
         if chunk.choices[0].finish_reason is not None:
             # A finished parser is never fed again; it is kept (apart from live streams) only for
@@ -539,13 +527,8 @@ class ParserDerenderService:
         return session
 
     def _replay(self, config: RequestConfig, prompt_ids: list[int], state: DerenderStreamState) -> ParserSession:
-        try:
+        with stream_state_400():  # a carried state the parser chokes on
             return ParserSession.replay(self.kit, self.model.tok, config, prompt_ids, state)
-        except ApiError:
-            raise
-        except Exception:  # as vLLM: a carried state the parser chokes on is the caller's 400
-            logger.info("invalid stream_state: derender failed", exc_info=True)
-            raise BadRequestError("invalid stream_state: derender failed") from None
 
     def open_chat_stream(
         self, chat_request: dict[str, Any], prompt_token_ids: list[int], prompt_tokens: int | None = None, model: str | None = None

@@ -12,7 +12,7 @@ from typing import Any
 from ray import serve
 
 from serve_app.config import AppArgs, ResolvedModel
-from serve_app.derender.checks import DerenderModel
+from serve_app.derender.model import DerenderModel
 from serve_app.derender.plain_service import PlainDerenderService
 
 __all__ = ["PlainDerender", "build_plain_service"]

@@ -16,16 +16,12 @@ thread so the loop (other requests, ``/health``) keeps turning.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 from pydantic import TypeAdapter
 
 from serve_app.derender.checks import (
-    DerenderModel,
     check_bounds,
     check_choices,
     check_prompt_ids,
@@ -33,9 +29,11 @@ from serve_app.derender.checks import (
     check_stream_chunk,
     check_stream_window,
     output_ids,
+    stream_state_400,
 )
 from serve_app.derender.detokenize import DetokWindow, detokenize_delta, seed_window
 from serve_app.derender.logprobs import context_tail, resolve_logprobs, to_completion_logprobs
+from serve_app.derender.model import OFFLOAD_WORK, DerenderModel, run_off_loop, stop_if_caller_gone
 from serve_app.derender.responses import (
     chat_chunk,
     chat_response,
@@ -46,8 +44,7 @@ from serve_app.derender.responses import (
     usage,
 )
 from serve_app.derender.stop import StopTokens
-from serve_app.errors import ApiError, BadRequestError
-from serve_app.logs import get_logger
+from serve_app.errors import BadRequestError
 from serve_app.protocol import (
     DerenderChatRequestUnion,
     DerenderChatStreamRequest,
@@ -57,61 +54,12 @@ from serve_app.protocol import (
 )
 from serve_app.wire import dump_json, load_body, validate_model
 
-__all__ = ["OFFLOAD_EXECUTOR", "OFFLOAD_WORK", "PlainDerenderService", "PlainStream", "run_off_loop", "stop_if_caller_gone"]
-
-logger = get_logger(__name__)
+__all__ = ["PlainDerenderService", "PlainStream"]
 
 _CHAT = TypeAdapter(DerenderChatRequestUnion)
 _COMPLETION = TypeAdapter(DerenderCompletionRequestUnion)
 _CHAT_STREAM = TypeAdapter(DerenderChatStreamRequest)
 _COMPLETION_STREAM = TypeAdapter(DerenderCompletionStreamRequest)
-
-OFFLOAD_WORK = 4096
-"""Token ids plus logprob entries from which ``*_async`` decode in a worker thread (~10 ms of work
-and up, at ~2 us a token and ~7 us a logprob entry); below it, the work costs less than the hop."""
-
-# One worker, shared by every derender service in the process (plain, and the parser path's
-# ``ParserDerenderService``, which a colocated Ingress runs next to it): decoding and parsing hold
-# the GIL (Python code, tokenizers' decode, vLLM's parsers), so more threads would add no
-# throughput, only take more of the GIL from the event loop they are there to keep turning.
-OFFLOAD_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="derender")
-
-_T = TypeVar("_T")
-
-
-_WORKER = threading.local()  # the worker thread's current job: its "caller has gone" flag
-
-
-class _CallerGone(Exception):
-    """Raised in the worker when the coroutine that awaits the job was cancelled; nobody reads it."""
-
-
-def stop_if_caller_gone() -> None:
-    """Called once per choice by the whole-request loops: a job whose caller was cancelled (the
-    client disconnected) stops there instead of decoding on for no one, as do queued ones."""
-    gone = getattr(_WORKER, "gone", None)
-    if gone is not None and gone.is_set():
-        raise _CallerGone
-
-
-async def run_off_loop(work: Callable[..., _T], *args: Any) -> _T:
-    """``work(*args)`` in :data:`OFFLOAD_EXECUTOR`, awaited from the running event loop; cancelling
-    the await stops the work at its next :func:`stop_if_caller_gone`."""
-    gone = threading.Event()
-
-    def job() -> _T:
-        _WORKER.gone = gone
-        try:
-            return work(*args)
-        finally:
-            _WORKER.gone = None
-
-    try:
-        return await asyncio.get_running_loop().run_in_executor(OFFLOAD_EXECUTOR, job)
-    except asyncio.CancelledError:
-        gone.set()
-        raise
-
 
 async def _off_loop_if_big(decode: Callable[[Any], bytes], data: Any, work: int) -> bytes:
     if work < OFFLOAD_WORK:
@@ -189,13 +137,8 @@ class PlainDerenderService:
     def _chat(self, data: Any) -> bytes:
         request = validate_model(_CHAT, data)
         if isinstance(request, DerenderChatStreamRequest):
-            try:
+            with stream_state_400():
                 return dump_json(self._chat_stream(request))
-            except ApiError:
-                raise
-            except Exception:  # as vLLM: whatever breaks on a carried state is the caller's 400
-                logger.info("invalid stream_state: derender failed", exc_info=True)
-                raise BadRequestError("invalid stream_state: derender failed") from None
         model = self.model.model_name(request.model)
         gen = request.generate_response
         check_bounds([gen], self.model.limits)
@@ -281,13 +224,8 @@ class PlainDerenderService:
     def _completion(self, data: Any) -> bytes:
         request = validate_model(_COMPLETION, data)
         if isinstance(request, DerenderCompletionStreamRequest):
-            try:
+            with stream_state_400("detokenization", (KeyError, IndexError), detail=True):  # vLLM's words here
                 return dump_json(self._completion_stream(request))
-            except ApiError:
-                raise
-            except (KeyError, IndexError) as exc:
-                logger.info("invalid stream_state: detokenization failed", exc_info=True)
-                raise BadRequestError(f"invalid stream_state: detokenization failed ({exc})") from None
         model = self.model.model_name(request.model)
         responses = request.generate_responses
         if not responses:

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serve_app.config import AppArgs
-from serve_app.derender.checks import DerenderLimits, DerenderModel
+from serve_app.derender.model import DerenderLimits, DerenderModel
 from serve_app.derender.plain_service import PlainDerenderService
 from serve_app.derender.tokenizer import DetokTokenizer
 from serve_app.errors import ApiError

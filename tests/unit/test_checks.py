@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from serve_app.config import AppArgs, RequestLimits
-from serve_app.derender.checks import CHOICE_WORK, DerenderLimits, check_size
+from serve_app.derender.checks import CHOICE_WORK, check_size
+from serve_app.derender.model import DerenderLimits
 from serve_app.derender.plain import build_plain_service
 from serve_app.errors import ApiError, envelope
 

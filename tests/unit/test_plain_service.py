@@ -248,7 +248,8 @@ def test_work_the_size_bounds_did_not_count_decodes_off_the_loop(service, what):
 
 
 def test_prompt_logprobs_count_against_the_logprob_bound(service):
-    from serve_app.derender.checks import DerenderLimits, check_size
+    from serve_app.derender.checks import check_size
+    from serve_app.derender.model import DerenderLimits
 
     candidates = {str(i): {"logprob": -1.0} for i in range(20)}
     body = _body("chat", False, _gen([9707], prompt_logprobs=[None] + [candidates] * 10))
