@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -21,7 +21,16 @@ from serve_app.derender.stop import StopTokens
 from serve_app.derender.tokenizer import DetokTokenizer
 from serve_app.errors import NotFoundError
 
-__all__ = ["OFFLOAD_EXECUTOR", "OFFLOAD_WORK", "DerenderLimits", "DerenderModel", "run_inline", "run_off_loop", "stop_if_caller_gone"]
+__all__ = [
+    "OFFLOAD_EXECUTOR",
+    "OFFLOAD_WORK",
+    "DerenderLimits",
+    "DerenderModel",
+    "run_inline",
+    "run_off_loop",
+    "run_sync",
+    "stop_if_caller_gone",
+]
 
 _T = TypeVar("_T")
 
@@ -127,3 +136,14 @@ async def run_off_loop(work: Callable[..., _T], *args: Any) -> _T:
 async def run_inline(work: Callable[..., _T], *args: Any) -> _T:
     """:func:`run_off_loop`'s stand-in for a synchronous caller: ``work(*args)`` here, never suspending."""
     return work(*args)
+
+
+def run_sync(coro: Coroutine[Any, Any, _T]) -> _T:
+    """The result of a coroutine that never suspends (a dispatcher given :func:`run_inline`),
+    computed on the calling thread without an event loop."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("a derender dispatcher suspended with no event loop to resume it")

@@ -13,21 +13,14 @@ from typing import Any
 from ray import serve
 
 from serve_app.config import AppArgs, ResolvedModel
-from serve_app.derender.model import DerenderModel
-from serve_app.derender.parser_service import ParserDerenderService, ParserSession
-from serve_app.derender.sessions import SessionCache
+from serve_app.derender.parser_service import ParserDerenderService
 
 __all__ = ["ParserDerender", "build_parser_service", "session_stats"]
 
 
 async def build_parser_service(args: AppArgs, model: ResolvedModel, render_state: Any = None) -> ParserDerenderService:
-    """The parser derender core; ``render_state``: vLLM's render objects already built in this process."""
-    from serve_app._vllm import build_parser_kit
-
-    kit = await build_parser_kit(args, model, render_state)
-    c = args.parser_sessions
-    sessions = SessionCache[ParserSession](c.max_sessions, c.ttl_s, c.max_tokens)
-    return ParserDerenderService(DerenderModel.from_config(args, model), kit, sessions, c.max_request_bytes)
+    """The parser derender core (:meth:`ParserDerenderService.create`)."""
+    return await ParserDerenderService.create(args, model, render_state)
 
 
 @serve.deployment(name="ParserDerender")

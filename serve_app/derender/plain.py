@@ -12,14 +12,14 @@ from typing import Any
 from ray import serve
 
 from serve_app.config import AppArgs, ResolvedModel
-from serve_app.derender.model import DerenderModel
 from serve_app.derender.plain_service import PlainDerenderService
 
 __all__ = ["PlainDerender", "build_plain_service"]
 
 
 def build_plain_service(args: AppArgs, model: ResolvedModel) -> PlainDerenderService:
-    return PlainDerenderService(DerenderModel.from_config(args, model))
+    """The plain derender core (:meth:`PlainDerenderService.create`)."""
+    return PlainDerenderService.create(args, model)
 
 
 @serve.deployment(name="PlainDerender")

@@ -1,7 +1,7 @@
 """vLLM 0.32's derender responses as plain dicts, in its key order. Pure.
 
-Both derender services build their answers here: the chat response and chunk envelopes, usage,
-and the carried ``stream_state``. Dicts rather than pydantic response models: a chunk costs
+Both derender services build their answers here: the chat and completion responses and chunks, the
+choices in them, usage, and the carried ``stream_state``. Dicts rather than pydantic response models: a chunk costs
 microseconds, and ``tests/differential`` pins every key against vLLM's models.
 """
 
@@ -13,9 +13,14 @@ from typing import Any
 from serve_app.wire import dump_json
 
 __all__ = [
+    "assistant_message",
+    "chat_choice",
     "chat_chunk",
+    "chat_delta_choice",
     "chat_response",
+    "completion_choice",
     "completion_chunk",
+    "completion_delta_choice",
     "completion_response",
     "dump_model",
     "stream_state",
@@ -118,6 +123,76 @@ def completion_chunk(chunk: Any, model: str, choices: list[dict[str, Any]], usag
         "usage": usage,
         "system_fingerprint": None,
         "metrics": dump_model(chunk.metrics),
+    }
+
+
+def chat_choice(
+    index: int, message: dict[str, Any], logprobs: Any, finish_reason: str | None, stop_reason: Any, token_ids: Any
+) -> dict[str, Any]:
+    """A ``ChatCompletionResponseChoice``."""
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+        "token_ids": token_ids,
+        "routed_experts": None,
+    }
+
+
+def assistant_message(content: str) -> dict[str, Any]:
+    """The plain path's ``ChatMessage``: the text as content, nothing parsed out of it."""
+    return {
+        "role": "assistant",
+        "content": content,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "reasoning": None,
+    }
+
+
+def chat_delta_choice(
+    index: int, delta: dict[str, Any], logprobs: Any, finish_reason: str | None, stop_reason: Any, token_ids: Any
+) -> dict[str, Any]:
+    """A ``ChatCompletionResponseStreamChoice``."""
+    return {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+        "token_ids": token_ids,
+    }
+
+
+def completion_choice(index: int, text: str, logprobs: Any, finish_reason: str | None, stop_reason: Any) -> dict[str, Any]:
+    """A ``CompletionResponseChoice``."""
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+        "token_ids": None,
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "routed_experts": None,
+    }
+
+
+def completion_delta_choice(index: int, text: str, logprobs: Any, finish_reason: str | None, stop_reason: Any) -> dict[str, Any]:
+    """A streamed ``CompletionResponseStreamChoice``."""
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+        "prompt_token_ids": None,
+        "token_ids": None,
     }
 
 

@@ -76,7 +76,11 @@ class CacheStats:
 
 
 class SessionCache(Generic[T]):
-    """LRU + TTL map from state digest to a live session, bounded in entries and in tokens held."""
+    """LRU + TTL map from state digest to a live session, bounded in entries and in tokens held.
+
+    Generic: parser derender's request cache (:class:`~serve_app.derender.request.RequestConfigs`)
+    is one too, its "tokens" the bytes each configuration keeps, its entries read with :meth:`get`.
+    """
 
     def __init__(self, max_sessions: int, ttl_s: float, max_tokens: int) -> None:
         self.max_sessions = max_sessions
@@ -95,6 +99,11 @@ class SessionCache(Generic[T]):
         """Token ids held by the cached sessions, as each counts its own (the memory bound is on this)."""
         return self._tokens
 
+    def values(self) -> list[T]:
+        """What is cached, least recently used first (expired entries included until evicted)."""
+        with self._lock:
+            return [value for _, _, value in self._entries.values()]
+
     def take(self, key: bytes) -> T | None:
         """Remove and return the session filed under ``key``, if any and not expired."""
         with self._lock:
@@ -107,6 +116,23 @@ class SessionCache(Generic[T]):
                 self.stats.expirations += 1
                 return None
             return session
+
+    def get(self, key: bytes) -> T | None:
+        """The entry filed under ``key``, left in the cache as its most recently used, if any and not expired."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            stamp, tokens, value = entry
+            now = time.monotonic()
+            if now - stamp > self.ttl_s:
+                del self._entries[key]
+                self._tokens -= tokens
+                self.stats.expirations += 1
+                return None
+            self._entries.move_to_end(key)
+            self._entries[key] = (now, tokens, value)
+            return value
 
     def put(self, key: bytes, session: T, tokens: int) -> None:
         if self.max_sessions <= 0 or tokens > self.max_tokens:

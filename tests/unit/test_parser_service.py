@@ -302,7 +302,7 @@ def test_request_cache_is_bounded_in_bytes_and_keeps_no_conversation(service, id
     gc.collect()
     held = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    configs = list(svc._configs.values())
+    configs = list(svc.configs.values())
     assert 1 < len(configs) < 20 and svc.request_bytes == sum(c.size for c in configs)
     assert held < 200_000  # not one request's conversation is left (each is 1 MB)
     for config in configs:  # the parsers' view of the conversation is kept: the tool calls it made
@@ -321,7 +321,7 @@ def test_request_cache_is_exact_when_two_threads_fill_it(service):
             svc.request_config({**CHAT_REQUEST, "messages": [{"role": "user", "content": f"{(i + offset) % 60}"}]})
 
     race_in_two_threads(fill)
-    assert svc.request_bytes == sum(c.size for c in svc._configs.values()) <= 30_000
+    assert svc.request_bytes == sum(c.size for c in svc.configs.values()) <= 30_000
 
 
 def _stream_chunk(request_id: str, prompt: list[int], ids: list[int], state: dict | None) -> dict:

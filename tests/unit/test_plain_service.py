@@ -177,7 +177,7 @@ def test_feed_equals_http_api(mistral_service, kind, request_field, original):
         http = json.loads(call(body))
         state = http["stream_state"]
         assert {k: v for k, v in fed.items() if k != "created"} == {k: v for k, v in http["chunk"].items() if k != "created"}
-        assert opened.state == state
+        assert opened.state() == state
 
 
 # --- big requests decode off the event loop (issue 12) ------------------------------------------
