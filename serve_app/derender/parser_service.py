@@ -47,17 +47,14 @@ from serve_app.derender.checks import (
     check_size,
     check_stream_chunk,
     check_stream_window,
-    output_ids,
     output_work,
     stream_state_400,
 )
-from serve_app.derender.detokenize import detokenize_delta, seed_window
-from serve_app.derender.logprobs import resolve_logprobs
-from serve_app.derender.model import OFFLOAD_WORK, DerenderModel, run_inline, run_off_loop, run_sync, stop_if_caller_gone
+from serve_app.derender.model import OFFLOAD_WORK, DerenderModel, run_inline, run_off_loop, run_sync
 from serve_app.derender.request import RequestConfig, RequestConfigs, parser_config
-from serve_app.derender.responses import chat_choice, chat_response, usage
 from serve_app.derender.sessions import SessionCache, prompt_key
-from serve_app.derender.streams import ChatStream, ParserSession, state_key, trim_top_logprobs
+from serve_app.derender.streams import ChatStream, ParserSession, state_key
+from serve_app.derender.whole import parser_chat
 from serve_app.errors import BadRequestError, InvalidChatRequest
 from serve_app.protocol import DerenderChatRequestUnion, DerenderChatStreamRequest, DerenderStreamState
 from serve_app.wire import dump_json, dump_json_floatless, load_body, validate_model
@@ -190,72 +187,13 @@ class ParserDerenderService:
     # --- non-streaming ---------------------------------------------------------------------------
 
     def _chat_whole(self, request: Any, raw_chat_request: Any) -> bytes:
-        model = self.model.model_name(request.model)
-        gen = request.generate_response
-        check_bounds([gen], self.model.limits)
+        name = self.model.model_name(request.model)
+        check_bounds([request.generate_response], self.model.limits)
         check_prompt_ids(request.prompt_token_ids, self.model.limits)
         if request.chat_request is None:
             raise BadRequestError(_CHAT_REQUEST_REQUIRED)
         config = self.request_config(raw_chat_request if raw_chat_request is not None else request.chat_request)
-        prompt_ids = request.prompt_token_ids if request.prompt_token_ids is not None else gen.prompt_token_ids
-        choices, reasoning_tokens = [], 0
-        for choice in gen.choices:
-            out, reasoning = self._whole_choice(choice, config, prompt_ids or [])
-            choices.append(out)
-            reasoning_tokens += reasoning
-        prompt_tokens = request.prompt_tokens if request.prompt_tokens is not None else 0
-        completion_tokens = sum(len(c.token_ids) for c in gen.choices if c.token_ids)
-        counts = usage(prompt_tokens, completion_tokens)
-        if self.kit.has_reasoning_parser:  # as vllm serve
-            counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-        return chat_response(gen, model, choices, counts)
-
-    def _whole_choice(self, choice: Any, config: RequestConfig, prompt_ids: list[int]) -> tuple[dict[str, Any], int]:
-        """One choice as ``vllm serve``'s ``chat_completion_full_generator`` builds it, and its
-        reasoning-token count."""
-        stop_if_caller_gone()
-        kit, request = self.kit, config.request
-        ids = output_ids(choice)
-        text_ids = config.stops.text_ids(ids, choice.finish_reason, choice.stop_reason)
-        skip = config.skip_special_tokens
-        tok = self.model.tok
-        text, _ = detokenize_delta(tok, text_ids, seed_window(tok, prompt_ids, skip), skip)
-        parser = kit.new_parser(request, config.template_kwargs)
-        if prompt_ids:
-            parser.set_prompt_token_ids(prompt_ids)
-        try:
-            reasoning, content, calls = parser.parse(
-                text, request, enable_auto_tools=kit.enable_auto_tools, model_output_token_ids=ids
-            )
-        except ValueError as exc:
-            raise BadRequestError(str(exc)) from None
-        reasoning_tokens = parser.count_reasoning_tokens(ids) if kit.has_reasoning_parser else 0
-        hide = not config.include_reasoning
-        if hide:
-            reasoning = None
-        tools_allowed = config.named_tool_choice or config.required_tool_choice or (
-            kit.enable_auto_tools
-            and kit.has_tool_parser
-            and request.tools
-            and request.tool_choice in ("auto", None)
-        )
-        tool_calls = [kit.ToolCall(id=c.id or kit.tool_call_id(), function=c) for c in calls or []] if tools_allowed else []
-        if config.named_tool_choice or config.required_tool_choice:
-            content = content or ""
-        if config.echo:
-            content = config.echo + (content or "")
-        if config.single_tool_call:
-            tool_calls = tool_calls[:1]
-        auto_called = bool(tool_calls) and not (config.named_tool_choice or config.required_tool_choice)
-        finish = choice.finish_reason or "stop"
-        if auto_called or (config.required_tool_choice and finish == "stop"):
-            finish = "tool_calls"
-        message = kit.ChatMessage(role=config.role, reasoning=reasoning, content=content, tool_calls=tool_calls)
-        logprobs = None
-        if choice.logprobs is not None and not hide:
-            logprobs = trim_top_logprobs(resolve_logprobs(choice.logprobs, self.model.tok), config.top_logprobs)
-        token_ids = ids if config.return_token_ids else None
-        return chat_choice(choice.index, message.model_dump(), logprobs, finish, choice.stop_reason, token_ids), reasoning_tokens
+        return parser_chat(self.kit, self.model, config, name, request)
 
     # --- streaming -------------------------------------------------------------------------------
 

@@ -21,20 +21,11 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from serve_app.derender.checks import check_bounds, check_prompt_ids, check_size, output_ids, stream_state_400
-from serve_app.derender.detokenize import detokenize_delta, seed_window
-from serve_app.derender.logprobs import resolve_logprobs, to_completion_logprobs
-from serve_app.derender.model import OFFLOAD_WORK, DerenderModel, run_off_loop, stop_if_caller_gone
+from serve_app.derender.checks import check_bounds, check_prompt_ids, check_size, stream_state_400
+from serve_app.derender.model import OFFLOAD_WORK, DerenderModel, run_off_loop
 from serve_app.derender.request import RequestConfig
-from serve_app.derender.responses import (
-    assistant_message,
-    chat_choice,
-    chat_response,
-    completion_choice,
-    completion_response,
-    usage,
-)
 from serve_app.derender.streams import PlainChatStream, PlainCompletionStream, PlainStream
+from serve_app.derender.whole import plain_chat, plain_completion
 from serve_app.errors import BadRequestError
 from serve_app.protocol import (
     ChatCompletionRequest,
@@ -108,29 +99,10 @@ class PlainDerenderService:
         if isinstance(request, DerenderChatStreamRequest):
             with stream_state_400():  # as vLLM: whatever breaks on a carried state is the caller's 400
                 return self._chat_chunk(request)
-        model = self.model.model_name(request.model)
-        gen = request.generate_response
-        check_bounds([gen], self.model.limits)
+        name = self.model.model_name(request.model)
+        check_bounds([request.generate_response], self.model.limits)
         check_prompt_ids(request.prompt_token_ids, self.model.limits)
-        config = RequestConfig.plain(self.model, request.chat_request)
-        skip = config.skip_special_tokens
-        seed = seed_window(
-            self.tok, request.prompt_token_ids if request.prompt_token_ids is not None else gen.prompt_token_ids, skip
-        )
-        choices = []
-        for choice in gen.choices:
-            stop_if_caller_gone()
-            ids = output_ids(choice)
-            logprobs = resolve_logprobs(choice.logprobs, self.tok) if choice.logprobs is not None else None
-            text_ids = config.stops.text_ids(ids, choice.finish_reason, choice.stop_reason)
-            text, _ = detokenize_delta(self.tok, text_ids, seed, skip)
-            token_ids = choice.token_ids if config.return_token_ids else None
-            choices.append(
-                chat_choice(choice.index, assistant_message(text), logprobs, choice.finish_reason, choice.stop_reason, token_ids)
-            )
-        prompt_tokens = request.prompt_tokens if request.prompt_tokens is not None else 0
-        completion_tokens = sum(len(c.token_ids) for c in gen.choices if c.token_ids)
-        return chat_response(gen, model, choices, usage(prompt_tokens, completion_tokens))
+        return plain_chat(self.model, RequestConfig.plain(self.model, request.chat_request), name, request)
 
     def _chat_chunk(self, request: DerenderChatStreamRequest) -> bytes:
         """One HTTP chunk: open the stream from the carried state, feed the chunk, answer its state."""
@@ -154,36 +126,13 @@ class PlainDerenderService:
         if isinstance(request, DerenderCompletionStreamRequest):
             with stream_state_400("detokenization", (KeyError, IndexError), detail=True):  # vLLM's words here
                 return self._completion_chunk(request)
-        model = self.model.model_name(request.model)
-        responses = request.generate_responses
-        if not responses:
+        name = self.model.model_name(request.model)
+        if not request.generate_responses:
             raise BadRequestError("generate_responses must not be empty")
-        check_bounds(responses, self.model.limits)
+        check_bounds(request.generate_responses, self.model.limits)
         for ids in request.prompt_token_ids or []:
             check_prompt_ids(ids, self.model.limits)
-        n = len(responses)
-        prompt_tokens = request.prompt_tokens if request.prompt_tokens is not None else [0] * n
-        seeds = request.prompt_token_ids if request.prompt_token_ids is not None else [None] * n
-        config = RequestConfig.plain(self.model, request.completion_request)
-        skip = config.skip_special_tokens
-        choices: list[dict[str, Any]] = []
-        total_prompt, total_completion = 0, 0
-        for gen, pt, seed_ids in zip(responses, prompt_tokens, seeds, strict=True):
-            seed = seed_window(self.tok, seed_ids if seed_ids is not None else gen.prompt_token_ids, skip)
-            for choice in gen.choices:
-                stop_if_caller_gone()
-                ids = output_ids(choice, f" in response {gen.request_id}")
-                text_ids = config.stops.text_ids(ids, choice.finish_reason, choice.stop_reason)
-                text, _ = detokenize_delta(self.tok, text_ids, seed, skip)
-                logprobs = (
-                    to_completion_logprobs(resolve_logprobs(choice.logprobs, self.tok))
-                    if choice.logprobs is not None
-                    else None
-                )
-                choices.append(completion_choice(len(choices), text, logprobs, choice.finish_reason, choice.stop_reason))
-                total_completion += len(ids)
-            total_prompt += pt
-        return completion_response(responses, model, choices, usage(total_prompt, total_completion))
+        return plain_completion(self.model, RequestConfig.plain(self.model, request.completion_request), name, request)
 
     def _completion_chunk(self, request: DerenderCompletionStreamRequest) -> bytes:
         """One HTTP chunk: open the stream from the carried state, feed the chunk, answer its state."""

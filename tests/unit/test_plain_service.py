@@ -261,16 +261,16 @@ def test_prompt_logprobs_count_against_the_logprob_bound(service):
 def test_a_cancelled_request_stops_decoding_in_the_worker(service, monkeypatch):
     """Issue 19: a client that went away (its request's coroutine cancelled) stops the decoding it
     started: the next job in the worker thread runs after fewer than all of its choices decoded."""
-    from serve_app.derender import plain_service
+    from serve_app.derender import model, whole
 
     decoded: list[int] = []
-    real = plain_service.detokenize_delta
+    real = whole.detokenize_delta
 
     def counted(*args, **kwargs):
         decoded.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(plain_service, "detokenize_delta", counted)
+    monkeypatch.setattr(whole, "detokenize_delta", counted)
     n = 16384
     gen = {"request_id": "big", "choices": [{"index": i, "token_ids": [9707]} for i in range(n)]}
     big = json.dumps(_body("chat", False, gen)).encode()
@@ -281,7 +281,7 @@ def test_a_cancelled_request_stops_decoding_in_the_worker(service, monkeypatch):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        return await plain_service.run_off_loop(len, decoded)  # queued behind it in the one worker
+        return await model.run_off_loop(len, decoded)  # queued behind it in the one worker
 
     assert asyncio.run(run()) < n
     assert json.loads(service.chat(json.dumps(_body("chat", False, _gen([9707]))).encode()))["choices"]
