@@ -55,6 +55,24 @@ def test_expired_sessions_are_not_returned(monkeypatch):
     assert len(cache) == 1 and cache.tokens == 1
 
 
+def test_get_leaves_the_entry_and_makes_it_most_recently_used(monkeypatch):
+    """The request cache reads with ``get``: many streams share one entry, so reading keeps it,
+    refreshes its place in the LRU order and its clock; an expired one is gone."""
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    cache: SessionCache[int] = SessionCache(max_sessions=2, ttl_s=5, max_tokens=100)
+    cache.put(b"a", 1, tokens=10)
+    cache.put(b"b", 2, tokens=10)
+    now[0] += 4
+    assert cache.get(b"a") == 1 and cache.get(b"a") == 1 and len(cache) == 2
+    cache.put(b"c", 3, tokens=10)  # evicts b, the least recently used
+    assert cache.values() == [1, 3] and cache.tokens == 20
+    now[0] += 4  # a was read 4 s ago: still fresh
+    assert cache.get(b"a") == 1
+    now[0] += 6
+    assert cache.get(b"a") is None and cache.stats.expirations == 1 and cache.tokens == 10
+
+
 def test_zero_sessions_turns_the_cache_off():
     cache: SessionCache[int] = SessionCache(max_sessions=0, ttl_s=5, max_tokens=100)
     cache.put(b"k", 1, tokens=1)
