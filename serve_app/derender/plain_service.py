@@ -51,7 +51,7 @@ async def _off_loop_if_big(decode: Callable[[Any], bytes], data: Any, work: int)
 
 class PlainDerenderService:
     """Detokenization-only derender for one model: it checks a request and dispatches it, a whole
-    one to its loop over choices, a stream chunk to a :class:`~serve_app.derender.streams.PlainStream`."""
+    one to :mod:`~serve_app.derender.whole`, a stream chunk to a :class:`~serve_app.derender.streams.PlainStream`."""
 
     def __init__(self, model: DerenderModel) -> None:
         self.model = model
