@@ -13,7 +13,7 @@ from typing import Any
 from serve_app.derender.tokenizer import DetokTokenizer
 from serve_app.protocol import GenerateLogProbs
 
-__all__ = ["CONTEXT_WINDOW", "context_tail", "resolve_logprobs", "to_completion_logprobs"]
+__all__ = ["CONTEXT_WINDOW", "context_tail", "resolve_logprobs", "to_completion_logprobs", "trim_top_logprobs"]
 
 CONTEXT_WINDOW = 4
 _REPLACEMENT = "\ufffd"
@@ -107,3 +107,11 @@ def to_completion_logprobs(chat: dict[str, Any], initial_text_offset: int = 0) -
         out["top_logprobs"].append({t["token"]: t["logprob"] for t in tops} if tops else None)
         offset += len(entry["token"])
     return out
+
+
+def trim_top_logprobs(logprobs: dict[str, Any], keep: int) -> dict[str, Any]:
+    """As ``vllm serve``: ``top_logprobs`` entries as the request asked (``/generate`` sends at least one)."""
+    if keep >= 0:
+        for entry in logprobs["content"] or ():
+            del entry["top_logprobs"][keep:]
+    return logprobs

@@ -22,7 +22,7 @@ from pydantic import TypeAdapter
 
 from serve_app.derender.checks import check_choices, check_prompt_ids, check_stream_chunk, check_stream_window
 from serve_app.derender.detokenize import DetokWindow, detokenize_delta, seed_window
-from serve_app.derender.logprobs import context_tail, resolve_logprobs, to_completion_logprobs
+from serve_app.derender.logprobs import context_tail, resolve_logprobs, to_completion_logprobs, trim_top_logprobs
 from serve_app.derender.model import DerenderModel
 from serve_app.derender.request import RequestConfig
 from serve_app.derender.responses import (
@@ -38,7 +38,7 @@ from serve_app.derender.tokenizer import DetokTokenizer
 from serve_app.errors import BadRequestError
 from serve_app.protocol import DerenderStreamState, GenerateTokensStreamChoice, GenerateTokensStreamResponse
 
-__all__ = ["ChatStream", "ParserSession", "PlainChatStream", "PlainCompletionStream", "PlainStream", "trim_top_logprobs"]
+__all__ = ["ChatStream", "ParserSession", "PlainChatStream", "PlainCompletionStream", "PlainStream", "state_key"]
 
 _STREAM_CHUNK = TypeAdapter(GenerateTokensStreamResponse)
 
@@ -252,14 +252,6 @@ class ParserSession:
 
     def reasoning_tokens(self) -> int:
         return self.parser.count_reasoning_tokens(tuple(self.output_ids))
-
-
-def trim_top_logprobs(logprobs: dict[str, Any], keep: int) -> dict[str, Any]:
-    """As ``vllm serve``: ``top_logprobs`` entries as the request asked (``/generate`` sends at least one)."""
-    if keep >= 0:
-        for entry in logprobs["content"] or ():
-            del entry["top_logprobs"][keep:]
-    return logprobs
 
 
 def state_key(

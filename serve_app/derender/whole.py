@@ -11,7 +11,7 @@ from typing import Any
 
 from serve_app.derender.checks import output_ids
 from serve_app.derender.detokenize import detokenize_delta, seed_window
-from serve_app.derender.logprobs import resolve_logprobs, to_completion_logprobs
+from serve_app.derender.logprobs import resolve_logprobs, to_completion_logprobs, trim_top_logprobs
 from serve_app.derender.model import DerenderModel, stop_if_caller_gone
 from serve_app.derender.request import RequestConfig
 from serve_app.derender.responses import (
@@ -22,7 +22,6 @@ from serve_app.derender.responses import (
     completion_response,
     usage,
 )
-from serve_app.derender.streams import trim_top_logprobs
 from serve_app.errors import BadRequestError
 from serve_app.protocol import DerenderChatRequest, DerenderCompletionRequest, GenerateTokensChoice
 
