@@ -26,7 +26,7 @@ from serve_app.compose import ComposedService, InProcess, build_composed, coloca
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import ApiError, ServiceUnavailableError, envelope, error_body, validation_error
 from serve_app.front_door import BodyDeadlineMiddleware
-from serve_app.health import StageHealth, routable, routable_replicas
+from serve_app.health import StageHealth, replica_gone, routable, routable_replicas
 from serve_app.limits import BodySizeLimitMiddleware
 from serve_app.logs import get_logger
 from serve_app.metrics import CONTENT_TYPE_LATEST, HttpMetrics, MetricsMiddleware
@@ -302,14 +302,19 @@ class Ingress:
         out = await within(call, self.args.limits.stage_timeout_s, "the stage", routable(method))
         return Response(out, media_type="application/json")
 
-    def _fail_fast(self, stage: Any) -> None:
-        """A 503 now for a stage deployment with no RUNNING replica (colocated stages always run)."""
+    def _unavailable(self, stage: Any) -> bool:
+        """Whether a stage deployment has no replica a call can reach now: none RUNNING, as the
+        controller last said, or none left to this process's router (colocated stages always run)."""
         name = getattr(stage, "deployment_name", None)
         if name is None:
-            return
+            return False
         self.health.refresh_soon()
-        if self.health.down(name) or routable_replicas(stage) == 0:
-            raise ServiceUnavailableError(f"{name} has no running replica; retry later.")
+        return self.health.down(name) or routable_replicas(stage) == 0
+
+    def _fail_fast(self, stage: Any) -> None:
+        """A 503 now for a stage deployment with no replica to reach (see ``_unavailable``)."""
+        if self._unavailable(stage):
+            raise ServiceUnavailableError(f"{stage.deployment_name} has no running replica; retry later.")
 
     async def _to_render(self, request: Request, method: RenderMethod) -> Response:
         return await self._forward(request, getattr(self.render, method), request.headers.get("x-request-id"))
@@ -331,10 +336,28 @@ class Ingress:
             return Response(out, media_type="application/json")
         # A stream's chunks go to the replica holding its live parser: Serve's consistent-hash router
         # keys on session_id, which the proxy only sets on the first hop, so it is re-applied here.
+        if self.local_parser is not None and self._unavailable(self.chat_derender):
+            return await self._parse_here(body, "unroutable")
         self._fail_fast(self.chat_derender)
         handle = self.chat_derender.options(session_id=session_id) if session_id else self.chat_derender
         limit = self.args.limits.stage_timeout_s
-        out, outcome, _ = await within(handle.chat_traced.remote(body), limit, "ParserDerender", routable(handle))
+        try:
+            out, outcome, _ = await within(handle.chat_traced.remote(body), limit, "ParserDerender", routable(handle))
+        except Exception as exc:
+            # No replica left to wait for, or the one holding the chunk died under it: parsed here at
+            # once (the carried state replayed, as on any replica) rather than after a replacement has
+            # imported vLLM. Without parsers in this process it stays the 503 with Retry-After.
+            reason = "replica_died" if replica_gone(exc) else "unroutable" if isinstance(exc, ServiceUnavailableError) else None
+            if self.local_parser is None or reason is None:
+                raise
+            return await self._parse_here(body, reason)
+        self._count_session(outcome)
+        return Response(out, media_type="application/json")
+
+    async def _parse_here(self, body: bytes, fallback: str) -> Response:
+        """A parser-stream chunk ParserDerender could not take, parsed by this replica's own parsers."""
+        out, outcome = await self.local_parser.chat_with_outcome_async(body)
+        metrics.parser_fallbacks.labels(fallback).inc()
         self._count_session(outcome)
         return Response(out, media_type="application/json")
 

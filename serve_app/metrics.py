@@ -45,6 +45,7 @@ from serve_app.errors import envelope
 
 __all__ = [
     "CONTENT_TYPE_LATEST",
+    "PARSER_FALLBACK_REASONS",
     "STREAM_ERROR_CAUSES",
     "EngineCollector",
     "HttpMetrics",
@@ -60,6 +61,7 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160, 640, 2560)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 
+PARSER_FALLBACK_REASONS = ("unroutable", "replica_died")
 STREAM_ERROR_CAUSES = ("engine_died", "timeout", "client_disconnect", "internal")
 _CAUSE_BY_STATUS = {503: "engine_died", 504: "timeout"}  # after the first byte only the engine can be gone
 _CLIENT_CLOSED = 499  # nginx's "client closed request": recorded as the status of a request the client left
@@ -119,6 +121,16 @@ class HttpMetrics:
             "Parser-derender stream chunks answered by replaying the carried history (cache misses).",
             registry=self.registry,
         )
+        self.parser_fallbacks = Counter(
+            "serve_app_parser_local_fallbacks",
+            "Parser-derender stream chunks meant for ParserDerender that the Ingress parsed itself (parser "
+            "derender colocated), by reason: unroutable (no replica to take it), replica_died (its replica "
+            "died under the call).",
+            ("reason",),
+            registry=self.registry,
+        )
+        for reason in PARSER_FALLBACK_REASONS:  # at 0 from the start, so a first fallback shows as a rate
+            self.parser_fallbacks.labels(reason)
 
         # What /metrics answers: every Ingress replica's series, then the ParserDerender caches.
         self.replicas = ReplicaCollector(self.registry)
