@@ -41,6 +41,16 @@ APP = "parser_fallback_bench"
 CONFIGS = {"colocated": ["render", "plain_derender", "parser_derender"], "remote": ["render", "plain_derender"]}
 REASONING = "<think>\nThe user wants the weather in two cities, so I call the tool twice.\n</think>\n\n"
 SENTENCE = "Checking both cities now, the weather in Paris is mild and in 東京 it rains 🌧. "
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 CALLS = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京"}}\n</tool_call>'
@@ -169,7 +179,6 @@ def _config(name: str, tok: Any, opts: argparse.Namespace, port: int) -> dict[st
     from serve_app.app import build_app
     from serve_app.config import AppArgs
     from serve_app.models import ensure_model
-    from serve_app.testing.payloads import MINIMAL_WEATHER_TOOLS
 
     args = AppArgs(
         model="qwen3-tiny",
@@ -182,13 +191,13 @@ def _config(name: str, tok: Any, opts: argparse.Namespace, port: int) -> dict[st
     ensure_model("qwen3-tiny")
     serve.run(build_app(args), name=APP, route_prefix="/", logging_config={"log_level": "WARNING", "enable_access_log": False})
     base = f"http://127.0.0.1:{port}"
-    chat = {"messages": [{"role": "user", "content": "Weather in Paris and Tokyo?"}], "tools": MINIMAL_WEATHER_TOOLS}
+    chat = {"messages": [{"role": "user", "content": "Weather in Paris and Tokyo?"}], "tools": TOOLS}
     prompt = httpx.post(f"{base}/v1/chat/completions/render", json=chat, timeout=60).json()["token_ids"]
     output = _output(tok, opts.tokens)
     rounds = []
     for n in range(opts.rounds):
         print(f"{name}: round {n + 1}/{opts.rounds}", flush=True)
-        rounds.append(_round(base, prompt, output, MINIMAL_WEATHER_TOOLS, opts.streams, n))
+        rounds.append(_round(base, prompt, output, TOOLS, opts.streams, n))
     metrics = httpx.get(f"{base}/metrics", timeout=30).text
     fallbacks = sum(float(ln.rsplit(" ", 1)[1]) for ln in metrics.splitlines() if ln.startswith("serve_app_parser_local_fallbacks_total{"))
     serve.delete(APP)

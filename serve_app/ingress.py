@@ -164,6 +164,16 @@ async def _ask_every_replica(handle: Any, method: str, what: str) -> list[Any] |
         return None
 
 
+def _unreachable(health: StageHealth, stage: Any) -> bool:
+    """Whether a stage deployment has no replica a call can reach now: none RUNNING, as the
+    controller last said, or none left to this process's router (colocated stages always run)."""
+    name = getattr(stage, "deployment_name", None)
+    if name is None:
+        return False
+    health.refresh_soon()
+    return health.down(name) or routable_replicas(stage) == 0
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(api)
 class Ingress:
@@ -302,18 +312,9 @@ class Ingress:
         out = await within(call, self.args.limits.stage_timeout_s, "the stage", routable(method))
         return Response(out, media_type="application/json")
 
-    def _unavailable(self, stage: Any) -> bool:
-        """Whether a stage deployment has no replica a call can reach now: none RUNNING, as the
-        controller last said, or none left to this process's router (colocated stages always run)."""
-        name = getattr(stage, "deployment_name", None)
-        if name is None:
-            return False
-        self.health.refresh_soon()
-        return self.health.down(name) or routable_replicas(stage) == 0
-
     def _fail_fast(self, stage: Any) -> None:
-        """A 503 now for a stage deployment with no replica to reach (see ``_unavailable``)."""
-        if self._unavailable(stage):
+        """A 503 now for a stage deployment with no replica to reach (see ``_unreachable``)."""
+        if _unreachable(self.health, stage):
             raise ServiceUnavailableError(f"{stage.deployment_name} has no running replica; retry later.")
 
     async def _to_render(self, request: Request, method: RenderMethod) -> Response:
@@ -336,7 +337,7 @@ class Ingress:
             return Response(out, media_type="application/json")
         # A stream's chunks go to the replica holding its live parser: Serve's consistent-hash router
         # keys on session_id, which the proxy only sets on the first hop, so it is re-applied here.
-        if self.local_parser is not None and self._unavailable(self.chat_derender):
+        if self.local_parser is not None and _unreachable(self.health, self.chat_derender):
             return await self._parse_here(body, "unroutable")
         self._fail_fast(self.chat_derender)
         handle = self.chat_derender.options(session_id=session_id) if session_id else self.chat_derender
