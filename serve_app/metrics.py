@@ -42,6 +42,7 @@ from prometheus_client.registry import Collector
 from starlette.requests import ClientDisconnect
 
 from serve_app.errors import envelope
+from serve_app.logs import get_logger
 
 __all__ = [
     "CONTENT_TYPE_LATEST",
@@ -52,7 +53,10 @@ __all__ = [
     "MetricsMiddleware",
     "ReplicaCollector",
     "SessionCacheCollector",
+    "ask_every_replica",
 ]
+
+logger = get_logger(__name__)
 
 # Whole requests: sub-millisecond render calls up to streams of an hour.
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
@@ -191,6 +195,41 @@ class HttpMetrics:
     def render(self) -> bytes:
         """The ``/metrics`` exposition (before any :meth:`set_replicas`: this replica's series, unlabelled)."""
         return generate_latest(self.exported)
+
+    async def scrape(
+        self, own: tuple[str, list[Metric], dict[str, Any] | None], peers: Any, parser_derender: Any, engine: Any, max_tokens: int
+    ) -> bytes:
+        """The ``/metrics`` exposition for a scrape, whichever Ingress replica it reached: asked at
+        scrape time, every Ingress replica's families (``peers``: this deployment's handle; ``own``:
+        this replica's ``(replica id, families, session-cache stats)``, the shape each answers), the
+        ParserDerender replicas' session caches next to the Ingress replicas' own, and the Engine
+        replicas' vLLM series. A stage that is absent (``None``) exports nothing of its own."""
+        peer_answers, caches, engines = await asyncio.gather(
+            ask_every_replica(peers, "metric_families", "other Ingress replicas' metrics"),
+            ask_every_replica(parser_derender, "stats", "session-cache stats"),
+            ask_every_replica(engine, "metric_families", "engine metrics"),
+        )
+        replies = {a[0]: a for a in peer_answers or () if isinstance(a, tuple)} | {own[0]: own}
+        self.set_replicas({r[0]: r[1] for r in replies.values()})
+        if engine is not None:
+            self.set_engines(engines)
+        if parser_derender is not None:
+            local_caches = [r[2] for r in replies.values() if len(r) > 2 and r[2] is not None]
+            self.set_session_caches(None if caches is None else [*caches, *local_caches], max_tokens)
+        return self.render()
+
+
+async def ask_every_replica(handle: Any, method: str, what: str) -> list[Any] | None:
+    """``method`` on every replica behind a deployment ``handle``: one call each, 2 s at most, an
+    exception in place of a replica that failed; ``None`` when there is no such stage or it could not
+    be asked. A scrape never fails because a stage is down."""
+    if handle is None:
+        return None
+    try:
+        return await handle.broadcast(method).results_async(timeout_s=2.0, return_exceptions=True)
+    except Exception as exc:
+        logger.info("%s unavailable: %s", what, exc)
+        return None
 
 
 class MetricsMiddleware:
