@@ -78,7 +78,7 @@ def _stream(base: str, rid: str, prompt: list[int], output: list[int], before_ch
             r = c.post("/v1/chat/completions/derender", json=_chunk_body(rid, [tid], i == len(output) - 1, state, prompt))
             assert r.status_code == 200, (i, r.status_code, r.text)
             state = r.json()["stream_state"]
-            chunks.append(_normalize(r.json()["chunk"]))
+            chunks.append({**_normalize(r.json()["chunk"]), "id": None})  # the stream's own request id
     return chunks
 
 
