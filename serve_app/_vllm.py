@@ -30,6 +30,7 @@ __all__ = [
     "engine_stat_loggers",
     "load_chat_template",
     "parse_engine_args",
+    "render_request_models",
     "vllm_cli_args",
     "vllm_sanitize_message",
 ]
@@ -145,6 +146,28 @@ class RenderState:
         own = getattr(online.renderer.get_tokenizer(), "chat_template", None)
         texts = [online.chat_template, *(own.values() if isinstance(own, dict) else [own])]
         return [t for t in texts if isinstance(t, str)]
+
+
+def render_request_models() -> dict[str, Any]:
+    """vLLM's request models of the render routes, by :class:`serve_app.render.RenderService` method
+    (``tokenize``: a ``TypeAdapter``, its request is a union), and ``error``: its ``ErrorResponse``."""
+    from pydantic import TypeAdapter
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+
+    return {
+        "chat": ChatCompletionRequest,
+        "completion": CompletionRequest,
+        "messages": AnthropicMessagesRequest,
+        "responses": ResponsesRequest,
+        "tokenize": TypeAdapter(TokenizeRequest),
+        "detokenize": DetokenizeRequest,
+        "error": ErrorResponse,
+    }
 
 
 async def build_render_state(args: AppArgs, model: ResolvedModel, extra_argv: list[str] | None = None) -> RenderState:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from serve_app.errors import error_body
-from serve_app.limits import send_json
+from serve_app.wire import send_json
 
 __all__ = ["GUARDED_PREFIXES", "ApiKeyMiddleware"]
 

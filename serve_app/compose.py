@@ -8,7 +8,8 @@ vLLM parser) for the whole stream, so nothing is replayed and no ``stream_state`
 The Ingress serves it over HTTP and, for :class:`serve_app.client.ServeAppClient`, by handle.
 
 :class:`ComposedService` is Ray-free: the stages are plain async callables (:class:`Stages`);
-:func:`build_composed` wires deployment handles (or colocated services) into them.
+:func:`build_composed` wires deployment handles (or colocated services) into them;
+:mod:`serve_app.stages` decides which is which.
 
 Cost per engine chunk on this path: one ``generate_stream`` chunk (a small dict) through Ray, one
 derender ``feed`` (tens of microseconds without parsers), one JSON dump for the SSE frame.
@@ -17,11 +18,9 @@ derender ``feed`` (tens of microseconds without parsers), one JSON dump for the 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, Protocol, TypeVar
 
 from serve_app.derender.stop import engine_stop_reason
@@ -37,10 +36,8 @@ __all__ = [
     "ComposedService",
     "CompletionDerender",
     "DerenderStream",
-    "InProcess",
     "Stages",
     "build_composed",
-    "colocated_render_state",
 ]
 
 logger = get_logger(__name__)
@@ -110,44 +107,12 @@ class Stages:
     engine_routable: Callable[[], bool] | None = None
 
 
-class InProcess:
-    """A colocated stage: ``obj.method.remote(*args)`` awaits ``service.method(*args)`` in this process,
-    the same surface as its deployment handle, so callers do not care which they hold."""
-
-    def __init__(self, service: Any) -> None:
-        self.service = service
-
-    def __getattr__(self, name: str) -> Any:
-        # A sync method's async twin (``chat_async``), where the service has one, decides itself
-        # what leaves the event loop (plain derender: a big request decodes in a worker thread).
-        method = getattr(self.service, f"{name}_async", None) or getattr(self.service, name)
-        remote = method if inspect.iscoroutinefunction(method) else _as_coroutine(method)
-        return SimpleNamespace(remote=remote)
-
-
-def colocated_render_state(render: Any) -> Any:
-    """vLLM's render state when Render runs in this process (~0.6 GiB, which the parsers reuse); else None."""
-    return render.service.state if isinstance(render, InProcess) else None
-
-
-def _as_coroutine(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
-    async def call(*args: Any) -> Any:
-        return fn(*args)
-
-    return call
-
-
-async def build_composed(args: Any, model: Any, render: Any, plain_derender: Any, engine: Any) -> ComposedService:
-    """The composition for one Ingress replica: render and engine by handle (or colocated), derender
-    in this process (one Serve hop per token). ``plain_derender`` is reused when colocated."""
-    from serve_app.derender.plain import build_plain_service
-
-    plain = plain_derender.service if isinstance(plain_derender, InProcess) else build_plain_service(args, model)
-    chat: ChatDerender = plain
-    if args.has_parser:
-        from serve_app.derender.parser import build_parser_service
-
-        chat = await build_parser_service(args, model, colocated_render_state(render))
+def build_composed(
+    args: Any, model: Any, render: Any, engine: Any, chat: ChatDerender, completion: CompletionDerender
+) -> ComposedService:
+    """The composition for one Ingress replica: render and the engine by handle (or a colocated
+    render's :class:`serve_app.stages.InProcess`), derender by the in-process services ``chat`` and
+    ``completion`` (one Serve hop per token). Which of them runs where is :mod:`serve_app.stages`'s."""
     generate_stream = engine.options(stream=True, method_name="generate_stream")
     stages = Stages(
         render_chat=lambda body, rid: render.chat.remote(body, rid),
@@ -158,7 +123,7 @@ async def build_composed(args: Any, model: Any, render: Any, plain_derender: Any
         engine_routable=routable(engine),
     )
     limits = args.limits
-    return ComposedService(stages, chat, plain, model.eos_token_id, limits.stage_timeout_s, limits.engine_first_chunk_timeout_s)
+    return ComposedService(stages, chat, completion, model.eos_token_id, limits.stage_timeout_s, limits.engine_first_chunk_timeout_s)
 
 
 class ComposedService:

@@ -27,18 +27,13 @@ from ray import serve
 
 from serve_app._vllm import call_vllm
 from serve_app.config import AppArgs, ResolvedModel
-from serve_app.errors import ApiError, BadRequestError
+from serve_app.errors import BadRequestError, EngineStreamError
 from serve_app.placement import placement_options
 from serve_app.wire import check_engine_ints, dump_json, load_body, validate_model
 
-__all__ = ["Engine", "EngineService", "EngineStreamError"]
+__all__ = ["Engine", "EngineService"]
 
 _DONE = "data: [DONE]\n\n"
-_FORWARDED_HEADERS = ("x-request-id", "x-data-parallel-rank", "x-session-id")
-
-
-class EngineStreamError(ApiError):
-    """vLLM sent ``data: {"error": ...}`` in the middle of a stream (the stream is over)."""
 
 
 class _RawRequest:
@@ -49,11 +44,6 @@ class _RawRequest:
 
         self.headers = Headers(headers=dict(headers or {}))  # case-insensitive, as Starlette's
         self.state = SimpleNamespace()
-
-
-def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """The request headers ``/inference/v1/generate`` honours (request id, DP rank, session)."""
-    return {k: v for k in _FORWARDED_HEADERS if (v := headers.get(k)) is not None}
 
 
 def parse_sse_frame(frame: str) -> dict[str, Any] | None:

@@ -18,6 +18,8 @@ from typing import Any
 __all__ = [
     "ApiError",
     "BadRequestError",
+    "EngineStreamError",
+    "GatewayTimeoutError",
     "NotFoundError",
     "PayloadTooLargeError",
     "RequestValidationFailed",
@@ -85,6 +87,11 @@ class GatewayTimeoutError(ApiError):
 class ServiceUnavailableError(ApiError):
     status_code = 503
     err_type = "ServiceUnavailableError"
+
+
+class EngineStreamError(ApiError):
+    """vLLM sent ``data: {"error": ...}`` in the middle of a stream (the stream is over); it keeps
+    vLLM's status and type."""
 
 
 # Messages echo user input (a model name, a path): bounded before any regex runs. Above the longest

@@ -27,7 +27,7 @@ from ray.serve._private.constants import (
 )
 
 from serve_app.errors import ApiError, BadRequestError, error_body
-from serve_app.limits import send_json
+from serve_app.wire import send_json
 
 __all__ = ["BodyDeadlineMiddleware", "RequestTimeoutError", "StrictHeadersMiddleware", "middlewares", "undecodable_header"]
 

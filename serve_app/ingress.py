@@ -1,8 +1,10 @@
 """``Ingress``: the FastAPI deployment every HTTP request enters through.
 
 It owns the HTTP edge: body limits, per-route metrics, and the conversion of every error into
-vLLM's envelope (:func:`serve_app.errors.envelope`). Routes that do real work call the other
-deployments by handle; the ingress itself stays free of vLLM and tokenizers.
+vLLM's envelope (:func:`serve_app.errors.envelope`). Routes that do real work call a stage, by
+handle or, for a stage in ``colocate_in_ingress``, in this process: :mod:`serve_app.stages` decides
+which and builds them. Importing this module loads no vLLM; a replica does when it builds a
+colocated render or parser derender (or, with the engine, the composed path's parsers).
 """
 
 from __future__ import annotations
@@ -22,17 +24,18 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.auth import ApiKeyMiddleware
-from serve_app.compose import ComposedService, InProcess, build_composed, colocated_render_state
+from serve_app.compose import ComposedService
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import ApiError, ServiceUnavailableError, envelope, error_body, validation_error
 from serve_app.front_door import BodyDeadlineMiddleware
-from serve_app.health import StageHealth, routable, routable_replicas
+from serve_app.health import StageHealth, replica_gone, routable
 from serve_app.limits import BodySizeLimitMiddleware
 from serve_app.logs import get_logger
 from serve_app.metrics import CONTENT_TYPE_LATEST, HttpMetrics, MetricsMiddleware
+from serve_app.stages import build_stages, choose_derender, unreachable
 from serve_app.streaming import cancel_on_close, sse_response, sse_stream
 from serve_app.timeouts import within
-from serve_app.wire import check_json_content_type, load_body, stream_flag
+from serve_app.wire import check_json_content_type, forwarded_headers, load_body, stream_flag, stream_id
 
 __all__ = ["Ingress", "api"]
 
@@ -93,54 +96,6 @@ async def _any_exception(request: Request, exc: Exception) -> JSONResponse:
 api.add_exception_handler(ApiError, _any_exception)
 
 
-_CHUNK_KEY, _ID_KEY = b'"generate_chunk"', b'"request_id"'
-_MAX_STREAM_ID = 256  # characters of a usable id
-_MAX_GAP = 64  # whitespace around a ':' or '{' that we look past
-
-
-def _skip_to(body: bytes, i: int, token: bytes) -> int:
-    """The index after ``token`` when only a little JSON whitespace precedes it at ``i``, else -1."""
-    window = body[i : i + _MAX_GAP]
-    i += len(window) - len(window.lstrip(b" \t\r\n"))
-    return i + 1 if body[i : i + 1] == token else -1
-
-
-def stream_id(body: bytes) -> str | None:
-    """The generate request id of a streaming derender body, found without parsing the JSON.
-
-    Only a routing hint: a body laid out otherwise just routes without affinity (and misses the
-    session cache), never wrongly. It runs on the event loop before any validation, so it is a
-    few ``bytes.find`` calls plus bounded slices: linear in the body, no regex backtracking.
-    """
-    start = body.find(_CHUNK_KEY)
-    while start >= 0:  # the first "generate_chunk" key whose value is an object
-        colon = _skip_to(body, start + len(_CHUNK_KEY), b":")
-        brace = _skip_to(body, colon, b"{") if colon >= 0 else -1
-        if brace >= 0:
-            break
-        start = body.find(_CHUNK_KEY, start + len(_CHUNK_KEY))
-    else:
-        return None
-    key = body.find(_ID_KEY, brace)  # its first "request_id" key
-    colon = _skip_to(body, key + len(_ID_KEY), b":") if key >= 0 else -1
-    open_quote = _skip_to(body, colon, b'"') if colon >= 0 else -1
-    if open_quote < 0:
-        return None
-    # The string up to its closing quote, looked for only as far as a 256-char id can reach (\uXXXX each).
-    raw = body[open_quote - 1 : open_quote + 6 * _MAX_STREAM_ID + 1]
-    end = raw.find(b'"', 1)
-    while end >= 0 and (end - len(raw[:end].rstrip(b"\\"))) % 2:  # an escaped quote: look on
-        end = raw.find(b'"', end + 1)
-    if end < 0:
-        return None
-    try:  # unescaped exactly as the JSON parser will read it; a lone surrogate is no usable key
-        value = json.loads(raw[: end + 1])
-        value.encode()
-    except ValueError:
-        return None
-    return value if 0 < len(value) <= _MAX_STREAM_ID else None
-
-
 def _check_abort_ids(request_ids: Any, max_ids: int) -> None:
     """Bound what one abort broadcasts to every engine replica: a list of short id strings."""
     from serve_app.errors import BadRequestError
@@ -149,19 +104,6 @@ def _check_abort_ids(request_ids: Any, max_ids: int) -> None:
         raise BadRequestError("request_ids must be a list of request id strings (1 to 256 characters)", param="request_ids")
     if len(request_ids) > max_ids:
         raise BadRequestError(f"request_ids count ({len(request_ids)}) exceeds server maximum ({max_ids})", param="request_ids")
-
-
-async def _ask_every_replica(handle: Any, method: str, what: str) -> list[Any] | None:
-    """``method`` on every replica behind ``handle``, asked at scrape time: one call each, 2 s at most,
-    an exception in place of a replica that failed; ``None`` when there is no such stage or it could not
-    be asked. A scrape never fails because a stage is down."""
-    if handle is None:
-        return None
-    try:
-        return await handle.broadcast(method).results_async(timeout_s=2.0, return_exceptions=True)
-    except Exception as exc:
-        logger.info("%s unavailable: %s", what, exc)
-        return None
 
 
 @serve.deployment(name="Ingress")
@@ -192,36 +134,8 @@ class Ingress:
     ) -> None:
         self.args = args
         self.model = model
-        # A stage colocated in the ingress is awaited in-process through the same `.method.remote()`
-        # surface as its deployment handle, so the routes below do not care which it is.
-        colocated = set(args.colocate_in_ingress)
-        if "render" in colocated:
-            from serve_app.render import RenderService
-
-            render = InProcess(await RenderService.create(args, model))
-        if "plain_derender" in colocated:
-            from serve_app.derender.plain import build_plain_service
-
-            plain_derender = InProcess(build_plain_service(args, model))
-        self.render = render
-        self.plain_derender = plain_derender
-        # Chat derender goes through vLLM's parsers exactly when the server has one configured,
-        # as in vLLM; completions derender never parses.
-        self.chat_derender: Any = parser_derender if args.has_parser else plain_derender
-        self.parser_derender = parser_derender if args.has_parser else None  # its cache stats reach /metrics
-        self.engine = engine
-        self.composed = await build_composed(args, model, self.render, plain_derender, engine) if engine is not None else None
-        # Parser derender in this process (colocated): whole requests, and the chunks of streams the front
-        # door keeps on this replica by their x-session-id. The composed path's service when there is
-        # one: one session cache per replica.
-        self.local_parser: Any = None
-        if "parser_derender" in colocated and args.has_parser:
-            if self.composed is not None:
-                self.local_parser = self.composed.chat_derender
-            else:
-                from serve_app.derender.parser import build_parser_service
-
-                self.local_parser = await build_parser_service(args, model, colocated_render_state(render))
+        # Where each stage runs (in this process when colocated, else by handle): serve_app/stages.py.
+        self.stages = await build_stages(args, model, render, plain_derender, parser_derender, engine)
         self._replica = serve.get_replica_context()
         self._peers: Any = None  # this deployment's own handle, made at the first scrape (see /metrics)
         self._created = int(time.time())
@@ -303,38 +217,60 @@ class Ingress:
         return Response(out, media_type="application/json")
 
     def _fail_fast(self, stage: Any) -> None:
-        """A 503 now for a stage deployment with no RUNNING replica (colocated stages always run)."""
-        name = getattr(stage, "deployment_name", None)
-        if name is None:
-            return
-        self.health.refresh_soon()
-        if self.health.down(name) or routable_replicas(stage) == 0:
-            raise ServiceUnavailableError(f"{name} has no running replica; retry later.")
+        """A 503 now for a stage deployment with no replica to reach (see ``_unreachable``)."""
+        if unreachable(self.health, stage):
+            raise ServiceUnavailableError(f"{stage.deployment_name} has no running replica; retry later.")
 
     async def _to_render(self, request: Request, method: RenderMethod) -> Response:
-        return await self._forward(request, getattr(self.render, method), request.headers.get("x-request-id"))
+        return await self._forward(request, getattr(self.stages.render, method), request.headers.get("x-request-id"))
 
     @api.post("/v1/chat/completions/derender")
     async def derender_chat(self, request: Request) -> Response:
+        stages = self.stages
         if not self.args.has_parser:
-            return await self._forward(request, self.chat_derender.chat)
+            return await self._forward(request, stages.chat_derender.chat)
         check_json_content_type(request.headers.get("content-type"))
         body = await request.body()
         header_session = request.headers.get("x-session-id")
         session_id = header_session or stream_id(body)
-        if self.local_parser is not None and (header_session or session_id is None):
-            # Colocated: no hop. A stream's chunks reach this replica again only if the front door
-            # hashes x-session-id (config.py, colocate_in_ingress); if not, they are still right (a
-            # miss replays the carried state), only slower, and /metrics counts the misses.
-            out, outcome = await self.local_parser.chat_with_outcome_async(body)
-            self._count_session(outcome)
-            return Response(out, media_type="application/json")
+        remote = stages.chat_derender
+        target = choose_derender(
+            has_parser=True,
+            local_parser=stages.local_parser is not None,
+            header_session=header_session,
+            stream_id=session_id,
+            remote_reachable=stages.local_parser is None or not unreachable(self.health, remote),
+        )
+        if target != "remote":
+            # Local: a stream's chunks reach this replica again only if the front door hashes
+            # x-session-id (config.py, colocate_in_ingress); if not, they are still right (a miss
+            # replays the carried state), only slower, and /metrics counts the misses.
+            return await self._parse_here(body, "unroutable" if target == "fallback" else None)
         # A stream's chunks go to the replica holding its live parser: Serve's consistent-hash router
         # keys on session_id, which the proxy only sets on the first hop, so it is re-applied here.
-        self._fail_fast(self.chat_derender)
-        handle = self.chat_derender.options(session_id=session_id) if session_id else self.chat_derender
-        limit = self.args.limits.stage_timeout_s
-        out, outcome, _ = await within(handle.chat_traced.remote(body), limit, "ParserDerender", routable(handle))
+        self._fail_fast(remote)
+        handle = remote.options(session_id=session_id) if session_id else remote
+        try:
+            call = handle.chat_traced.remote(body)
+            out, outcome, _ = await within(call, self.args.limits.stage_timeout_s, "ParserDerender", routable(handle))
+        except Exception as exc:
+            # No replica left to wait for, or the one holding the chunk died under it: parsed here at
+            # once (the carried state replayed, as on any replica) rather than after a replacement has
+            # imported vLLM. Without parsers in this process it stays the 503 with Retry-After.
+            reason = "replica_died" if replica_gone(exc) else "unroutable" if isinstance(exc, ServiceUnavailableError) else None
+            if stages.local_parser is None or reason is None:
+                raise
+            return await self._parse_here(body, reason)
+        self._count_session(outcome)
+        return Response(out, media_type="application/json")
+
+    async def _parse_here(self, body: bytes, fallback: str | None) -> Response:
+        """A chat derender request parsed by this replica's own parsers; ``fallback``: why a stream
+        chunk meant for ParserDerender is parsed here instead (counted in /metrics)."""
+        assert self.stages.local_parser is not None
+        out, outcome = await self.stages.local_parser.chat_with_outcome_async(body)
+        if fallback is not None:
+            metrics.parser_fallbacks.labels(fallback).inc()
         self._count_session(outcome)
         return Response(out, media_type="application/json")
 
@@ -346,7 +282,7 @@ class Ingress:
 
     @api.post("/v1/completions/derender")
     async def derender_completion(self, request: Request) -> Response:
-        return await self._forward(request, self.plain_derender.completion)
+        return await self._forward(request, self.stages.plain_derender.completion)
 
     @api.post("/v1/chat/completions/render")
     async def render_chat(self, request: Request) -> Response:
@@ -375,16 +311,14 @@ class Ingress:
     # --- engine: /inference/v1/generate as `vllm serve --tokens-only`, and the composed OpenAI API ---
 
     def _require_engine(self) -> Any:
-        if self.engine is None:  # as a server without these routes: the 404 envelope
+        if self.stages.engine is None:  # as a server without these routes: the 404 envelope
             raise StarletteHTTPException(404, "Not Found")
-        return self.engine
+        return self.stages.engine
 
     @api.post("/inference/v1/generate")
     async def generate(self, request: Request) -> Response:
         engine = self._require_engine()
         check_json_content_type(request.headers.get("content-type"))
-        from serve_app.engine import forwarded_headers
-
         raw = await request.body()
         data = load_body(raw)
         headers = forwarded_headers(request.headers)
@@ -434,9 +368,9 @@ class Ingress:
         check_json_content_type(request.headers.get("content-type"))
         body = load_body(await request.body())
         if not isinstance(body, dict):  # the render stage words the 400 exactly as vLLM
-            await getattr(self.render, render).remote(body)
-        self._fail_fast(self.render)
-        self._fail_fast(self.engine)
+            await getattr(self.stages.render, render).remote(body)
+        self._fail_fast(self.stages.render)
+        self._fail_fast(self.stages.engine)
         out = await compose(body, request.headers.get("x-request-id"))
         if isinstance(out, (bytes, bytearray)):
             return Response(out, media_type="application/json")
@@ -452,8 +386,8 @@ class Ingress:
 
     def _composer(self) -> ComposedService:
         self._require_engine()
-        assert self.composed is not None
-        return self.composed
+        assert self.stages.composed is not None
+        return self.stages.composed
 
     # --- the composed API by handle (serve_app.client): the same code as the routes above, no HTTP ---
 
@@ -478,48 +412,29 @@ class Ingress:
     async def prometheus(self) -> Response:
         """Every Ingress replica's series (``replica`` label), whichever replica the scrape reached, the
         parser-session caches (the ParserDerender replicas', and the Ingress replicas' own when parser
-        derender is colocated) and every Engine replica's vLLM series (serve_app/metrics.py)."""
-        (replicas, local_caches), caches, engines = await asyncio.gather(
-            self._ingress_families(), self._session_cache_stats(), self._engine_families()
-        )
-        metrics.set_replicas(replicas)
-        if self.engine is not None:
-            metrics.set_engines(engines)
-        if self.parser_derender is not None:
-            # The Ingress replicas' own caches (parser derender colocated) next to ParserDerender's.
-            metrics.set_session_caches(None if caches is None else [*caches, *local_caches], self.args.parser_sessions.max_tokens)
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        derender is colocated) and every Engine replica's vLLM series (:meth:`HttpMetrics.scrape`)."""
+        own = await self.metric_families()
+        max_tokens = self.args.parser_sessions.max_tokens
+        body = await metrics.scrape(own, self._peer_handle(), self.stages.parser_derender, self.stages.engine, max_tokens)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def metric_families(self) -> tuple[str, list[Any], dict[str, Any] | None]:
         """By handle: this replica's id, its own metric families and, with parser derender colocated, its
         session cache's stats (replica ``Ingress:<id>``), for the replica answering a scrape."""
         replica = self._replica.replica_id.unique_id
         local = None
-        if self.local_parser is not None:
+        if self.stages.local_parser is not None:
             from serve_app.derender.parser import session_stats
 
-            local = session_stats(self.local_parser, f"Ingress:{replica}")
+            local = session_stats(self.stages.local_parser, f"Ingress:{replica}")
         return replica, metrics.families(), local
 
-    async def _ingress_families(self) -> tuple[dict[str, list[Any]], list[dict[str, Any]]]:
-        """Every Ingress replica's families by replica id (one call each, 2 s at most), and their own
-        session caches' stats; this replica's always, the others' when they answer in time."""
-        own = await self.metric_families()
-        try:
-            if self._peers is None:
+    def _peer_handle(self) -> Any:
+        """This deployment's own handle (every Ingress replica), made at the first scrape; ``None``
+        if it cannot be made (the scrape then has this replica's series only)."""
+        if self._peers is None:
+            try:
                 self._peers = serve.get_deployment_handle(self._replica.deployment, self._replica.app_name)
-            answers = await self._peers.broadcast("metric_families").results_async(timeout_s=2.0, return_exceptions=True)
-        except Exception as exc:
-            logger.info("other Ingress replicas' metrics unavailable: %s", exc)
-            answers = []
-        replies = {a[0]: a for a in answers if isinstance(a, tuple)} | {own[0]: own}
-        return {r[0]: r[1] for r in replies.values()}, [r[2] for r in replies.values() if len(r) > 2 and r[2] is not None]
-
-    async def _engine_families(self) -> list[Any] | None:
-        """Every Engine replica's ``metric_families()``; ``None`` without an Engine (see ``_ask_every_replica``)."""
-        return await _ask_every_replica(self.engine, "metric_families", "engine metrics")
-
-    async def _session_cache_stats(self) -> list[Any] | None:
-        """Every ParserDerender replica's ``stats()``; ``None`` without one (see ``_ask_every_replica``)."""
-        return await _ask_every_replica(self.parser_derender, "stats", "session-cache stats")
-
+            except Exception as exc:
+                logger.info("other Ingress replicas' metrics unavailable: %s", exc)
+        return self._peers

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from serve_app.errors import PayloadTooLargeError, error_body
+from serve_app.wire import send_json
 
-__all__ = ["BodySizeLimitMiddleware", "send_json"]
+__all__ = ["BodySizeLimitMiddleware"]
 
 
 class BodySizeLimitMiddleware:
@@ -39,22 +40,3 @@ class BodySizeLimitMiddleware:
             return message
 
         await self.app(scope, limited_receive, send)
-
-
-async def send_json(send: Any, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    """Answer a request from ASGI middleware, before any route runs."""
-    import json
-
-    payload = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-                *(headers or ()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": payload})

@@ -42,16 +42,21 @@ from prometheus_client.registry import Collector
 from starlette.requests import ClientDisconnect
 
 from serve_app.errors import envelope
+from serve_app.logs import get_logger
 
 __all__ = [
     "CONTENT_TYPE_LATEST",
+    "PARSER_FALLBACK_REASONS",
     "STREAM_ERROR_CAUSES",
     "EngineCollector",
     "HttpMetrics",
     "MetricsMiddleware",
     "ReplicaCollector",
     "SessionCacheCollector",
+    "ask_every_replica",
 ]
+
+logger = get_logger(__name__)
 
 # Whole requests: sub-millisecond render calls up to streams of an hour.
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
@@ -60,6 +65,7 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160, 640, 2560)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 
+PARSER_FALLBACK_REASONS = ("unroutable", "replica_died")
 STREAM_ERROR_CAUSES = ("engine_died", "timeout", "client_disconnect", "internal")
 _CAUSE_BY_STATUS = {503: "engine_died", 504: "timeout"}  # after the first byte only the engine can be gone
 _CLIENT_CLOSED = 499  # nginx's "client closed request": recorded as the status of a request the client left
@@ -119,6 +125,16 @@ class HttpMetrics:
             "Parser-derender stream chunks answered by replaying the carried history (cache misses).",
             registry=self.registry,
         )
+        self.parser_fallbacks = Counter(
+            "serve_app_parser_local_fallbacks",
+            "Parser-derender stream chunks meant for ParserDerender that the Ingress parsed itself (parser "
+            "derender colocated), by reason: unroutable (no replica to take it), replica_died (its replica "
+            "died under the call).",
+            ("reason",),
+            registry=self.registry,
+        )
+        for reason in PARSER_FALLBACK_REASONS:  # at 0 from the start, so a first fallback shows as a rate
+            self.parser_fallbacks.labels(reason)
 
         # What /metrics answers: every Ingress replica's series, then the ParserDerender caches.
         self.replicas = ReplicaCollector(self.registry)
@@ -179,6 +195,41 @@ class HttpMetrics:
     def render(self) -> bytes:
         """The ``/metrics`` exposition (before any :meth:`set_replicas`: this replica's series, unlabelled)."""
         return generate_latest(self.exported)
+
+    async def scrape(
+        self, own: tuple[str, list[Metric], dict[str, Any] | None], peers: Any, parser_derender: Any, engine: Any, max_tokens: int
+    ) -> bytes:
+        """The ``/metrics`` exposition for a scrape, whichever Ingress replica it reached: asked at
+        scrape time, every Ingress replica's families (``peers``: this deployment's handle; ``own``:
+        this replica's ``(replica id, families, session-cache stats)``, the shape each answers), the
+        ParserDerender replicas' session caches next to the Ingress replicas' own, and the Engine
+        replicas' vLLM series. A stage that is absent (``None``) exports nothing of its own."""
+        peer_answers, caches, engines = await asyncio.gather(
+            ask_every_replica(peers, "metric_families", "other Ingress replicas' metrics"),
+            ask_every_replica(parser_derender, "stats", "session-cache stats"),
+            ask_every_replica(engine, "metric_families", "engine metrics"),
+        )
+        replies = {a[0]: a for a in peer_answers or () if isinstance(a, tuple)} | {own[0]: own}
+        self.set_replicas({r[0]: r[1] for r in replies.values()})
+        if engine is not None:
+            self.set_engines(engines)
+        if parser_derender is not None:
+            local_caches = [r[2] for r in replies.values() if len(r) > 2 and r[2] is not None]
+            self.set_session_caches(None if caches is None else [*caches, *local_caches], max_tokens)
+        return self.render()
+
+
+async def ask_every_replica(handle: Any, method: str, what: str) -> list[Any] | None:
+    """``method`` on every replica behind a deployment ``handle``: one call each, 2 s at most, an
+    exception in place of a replica that failed; ``None`` when there is no such stage or it could not
+    be asked. A scrape never fails because a stage is down."""
+    if handle is None:
+        return None
+    try:
+        return await handle.broadcast(method).results_async(timeout_s=2.0, return_exceptions=True)
+    except Exception as exc:
+        logger.info("%s unavailable: %s", what, exc)
+        return None
 
 
 class MetricsMiddleware:

@@ -81,24 +81,19 @@ class RenderService:
     """Ray-free render core over vLLM's ``ServingRender`` and ``ServingTokenization``."""
 
     def __init__(self, state: Any) -> None:
-        from pydantic import TypeAdapter
-        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+        from serve_app._vllm import render_request_models
 
         self.state = state
         templates = state.chat_templates()
         self._roles = template_roles(templates) if templates is not None else None  # None: roles not checked here
-        self._error_cls = ErrorResponse
-        self._chat = ChatCompletionRequest
-        self._completion = CompletionRequest
-        self._messages = AnthropicMessagesRequest
-        self._responses = ResponsesRequest
-        self._tokenize = TypeAdapter(TokenizeRequest)
-        self._detokenize = DetokenizeRequest
+        models = render_request_models()
+        self._error_cls = models["error"]
+        self._chat = models["chat"]
+        self._completion = models["completion"]
+        self._messages = models["messages"]
+        self._responses = models["responses"]
+        self._tokenize = models["tokenize"]
+        self._detokenize = models["detokenize"]
 
     @classmethod
     async def create(cls, args: AppArgs, model: ResolvedModel) -> RenderService:

@@ -1,10 +1,13 @@
-"""JSON in and out at the wire, byte-compatible with vLLM's FastAPI server."""
+"""JSON in and out at the wire, byte-compatible with vLLM's FastAPI server, and the HTTP edge's small
+helpers: a stream chunk's routing key read from the raw body (:func:`stream_id`), the headers passed
+on to the engine, and a JSON answer from ASGI middleware (:func:`send_json`)."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -17,9 +20,12 @@ __all__ = [
     "check_json_content_type",
     "dump_json",
     "dump_json_floatless",
+    "forwarded_headers",
     "load_body",
     "parse_json",
+    "send_json",
     "stream_flag",
+    "stream_id",
     "validate_model",
 ]
 
@@ -256,3 +262,79 @@ def validate_model(validator: Any, data: Any) -> Any:
         raise _too_deep() from None
     except Exception as exc:  # a validator that crashed on the request's shape
         raise invalid_request(exc) from None
+
+
+# --- the HTTP edge's helpers: a stream's routing key, headers passed on, answers from middleware ---
+
+_CHUNK_KEY, _ID_KEY = b'"generate_chunk"', b'"request_id"'
+_MAX_STREAM_ID = 256  # characters of a usable id
+_MAX_GAP = 64  # whitespace around a ':' or '{' that we look past
+
+
+def _skip_to(body: bytes, i: int, token: bytes) -> int:
+    """The index after ``token`` when only a little JSON whitespace precedes it at ``i``, else -1."""
+    window = body[i : i + _MAX_GAP]
+    i += len(window) - len(window.lstrip(b" \t\r\n"))
+    return i + 1 if body[i : i + 1] == token else -1
+
+
+def stream_id(body: bytes) -> str | None:
+    """The generate request id of a streaming derender body, found without parsing the JSON.
+
+    Only a routing hint: a body laid out otherwise just routes without affinity (and misses the
+    session cache), never wrongly. It runs on the event loop before any validation, so it is a
+    few ``bytes.find`` calls plus bounded slices: linear in the body, no regex backtracking.
+    """
+    start = body.find(_CHUNK_KEY)
+    while start >= 0:  # the first "generate_chunk" key whose value is an object
+        colon = _skip_to(body, start + len(_CHUNK_KEY), b":")
+        brace = _skip_to(body, colon, b"{") if colon >= 0 else -1
+        if brace >= 0:
+            break
+        start = body.find(_CHUNK_KEY, start + len(_CHUNK_KEY))
+    else:
+        return None
+    key = body.find(_ID_KEY, brace)  # its first "request_id" key
+    colon = _skip_to(body, key + len(_ID_KEY), b":") if key >= 0 else -1
+    open_quote = _skip_to(body, colon, b'"') if colon >= 0 else -1
+    if open_quote < 0:
+        return None
+    # The string up to its closing quote, looked for only as far as a 256-char id can reach (\uXXXX each).
+    raw = body[open_quote - 1 : open_quote + 6 * _MAX_STREAM_ID + 1]
+    end = raw.find(b'"', 1)
+    while end >= 0 and (end - len(raw[:end].rstrip(b"\\"))) % 2:  # an escaped quote: look on
+        end = raw.find(b'"', end + 1)
+    if end < 0:
+        return None
+    try:  # unescaped exactly as the JSON parser will read it; a lone surrogate is no usable key
+        value = json.loads(raw[: end + 1])
+        value.encode()
+    except ValueError:
+        return None
+    return value if 0 < len(value) <= _MAX_STREAM_ID else None
+
+
+FORWARDED_HEADERS = ("x-request-id", "x-data-parallel-rank", "x-session-id")
+"""The request headers ``/inference/v1/generate`` honours, passed on to the engine."""
+
+
+def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The request headers ``/inference/v1/generate`` honours (request id, DP rank, session)."""
+    return {k: v for k in FORWARDED_HEADERS if (v := headers.get(k)) is not None}
+
+
+async def send_json(send: Any, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """Answer a request from ASGI middleware, before any route runs (a 401, 408, 413 envelope)."""
+    payload = json.dumps(body).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                *(headers or ()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})

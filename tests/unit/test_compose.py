@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from serve_app.compose import ComposedService, InProcess, Stages, merge
+from serve_app.compose import ComposedService, Stages, merge
 from serve_app.config import AppArgs
 from serve_app.derender.plain import build_plain_service
 from serve_app.errors import ApiError, BadRequestError
+from serve_app.stages import InProcess
 
 HELLO = [9707, 0, 1879]  # "Hello" "!" " world"
 EOS = 151645

@@ -154,3 +154,14 @@ def test_not_found_for_a_hostile_model_name_is_fast_and_enveloped():
     status, body = envelope(NotFoundError(f"The model `{'/a' * 10_000}` does not exist.", param="model"))
     assert time.perf_counter() - start < 0.5
     assert status == 404 and body["error"]["code"] == 404 and body["error"]["message"].endswith("...[truncated]")
+
+
+def test_every_error_class_is_exported():
+    """Every error class the module defines is in ``__all__`` (issue 20: ``GatewayTimeoutError`` was not)."""
+    import inspect
+
+    from serve_app import errors
+
+    defined = {name for name, obj in vars(errors).items() if inspect.isclass(obj) and obj.__module__ == errors.__name__}
+    public = {name for name in defined if not name.startswith("_")}
+    assert public <= set(errors.__all__), public - set(errors.__all__)

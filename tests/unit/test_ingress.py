@@ -17,7 +17,8 @@ from starlette.requests import Request
 
 from serve_app.config import AppArgs
 from serve_app.errors import ApiError, envelope
-from serve_app.ingress import Ingress, stream_id
+from serve_app.ingress import Ingress
+from serve_app.wire import stream_id
 
 
 class _Engine:

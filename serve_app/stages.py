@@ -1,0 +1,149 @@
+"""Where each stage runs for one Ingress replica: decided here, once, from the configuration.
+
+A stage named in ``colocate_in_ingress`` runs in the Ingress's process, wrapped in :class:`InProcess`
+(the same ``.method.remote()`` surface as its deployment handle); the others are reached by handle.
+:func:`build_stages` builds them all, and the composed path over them
+(:func:`serve_app.compose.build_composed`), once per replica; :func:`choose_derender` picks, per chat
+derender request, which of them answers. The Ingress only routes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Literal
+
+from serve_app.compose import ComposedService, build_composed
+from serve_app.health import StageHealth, routable_replicas
+
+if TYPE_CHECKING:
+    from serve_app.config import AppArgs, ResolvedModel
+    from serve_app.derender.parser_service import ParserDerenderService
+
+__all__ = ["ChatDerenderTarget", "InProcess", "IngressStages", "build_stages", "choose_derender", "unreachable"]
+
+ChatDerenderTarget = Literal["plain", "local", "remote", "fallback"]
+"""Who derenders a ``/v1/chat/completions/derender`` request: plain derender (no parser configured),
+this replica's own parsers (``local``), the ParserDerender deployment by handle (``remote``), or this
+replica's parsers because no ParserDerender replica can take a stream chunk (``fallback``)."""
+
+
+def choose_derender(
+    *, has_parser: bool, local_parser: bool, header_session: str | None, stream_id: str | None, remote_reachable: bool
+) -> ChatDerenderTarget:
+    """Where one chat derender request goes.
+
+    Args:
+        has_parser: the server has a tool or reasoning parser configured (as vLLM, chat derender
+            parses exactly then).
+        local_parser: this replica holds the parsers (``parser_derender`` colocated).
+        header_session: the request's ``x-session-id``.
+        stream_id: the stream chunk's request id (:func:`serve_app.wire.stream_id`); ``None`` for a
+            whole request.
+        remote_reachable: ParserDerender has a replica a call can reach (:func:`unreachable`).
+
+    Returns:
+        ``plain`` without a parser; ``local`` for what the front door keeps on this replica (a whole
+        request, a stream sent with ``x-session-id``); ``remote`` for other stream chunks, keyed on
+        the stream id so a stream meets its live parser; ``fallback`` for those when no
+        ParserDerender replica can take them and this replica holds the parsers: the carried state
+        is replayed here instead of waiting for a replacement replica to import vLLM.
+    """
+    if not has_parser:
+        return "plain"
+    if local_parser and (header_session or stream_id is None):
+        return "local"
+    if local_parser and not remote_reachable:
+        return "fallback"
+    return "remote"
+
+
+def unreachable(health: StageHealth, stage: Any) -> bool:
+    """Whether a stage deployment has no replica a call can reach now: none RUNNING, as the
+    controller last said, or none left to this process's router (a colocated stage always runs)."""
+    name = getattr(stage, "deployment_name", None)
+    if name is None:
+        return False
+    health.refresh_soon()
+    return health.down(name) or routable_replicas(stage) == 0
+
+
+class InProcess:
+    """A colocated stage: ``obj.method.remote(*args)`` awaits ``service.method(*args)`` in this process,
+    the same surface as its deployment handle, so callers do not care which they hold."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+
+    def __getattr__(self, name: str) -> Any:
+        # A sync method's async twin (``chat_async``), where the service has one, decides itself
+        # what leaves the event loop (plain derender: a big request decodes in a worker thread).
+        method = getattr(self.service, f"{name}_async", None) or getattr(self.service, name)
+        remote = method if inspect.iscoroutinefunction(method) else _as_coroutine(method)
+        return SimpleNamespace(remote=remote)
+
+
+def _as_coroutine(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+    async def call(*args: Any) -> Any:
+        return fn(*args)
+
+    return call
+
+
+@dataclass(frozen=True, slots=True)
+class IngressStages:
+    """One Ingress replica's stages: deployment handles, or :class:`InProcess` when colocated."""
+
+    render: Any
+    plain_derender: Any
+    chat_derender: Any
+    """Plain derender, or the ParserDerender handle when a parser is configured."""
+    parser_derender: Any | None
+    """The ParserDerender handle (its cache stats reach /metrics); ``None`` without a parser."""
+    local_parser: ParserDerenderService | None
+    """The parsers in this process (``parser_derender`` colocated); the composed path's when there is one."""
+    engine: Any | None
+    composed: ComposedService | None
+    """The composed OpenAI API (``/v1/chat/completions``, ``/v1/completions``); ``None`` without an engine."""
+
+
+async def build_stages(
+    args: AppArgs, model: ResolvedModel, render: Any, plain_derender: Any, parser_derender: Any | None, engine: Any | None
+) -> IngressStages:
+    """The stages of one Ingress replica from its deployment handles: each colocated one built in
+    this process (vLLM's render state, ~0.6 GiB, shared with the parsers), and the composed path,
+    whose derender always runs here (one Serve hop per token)."""
+    colocated = set(args.colocate_in_ingress)
+    render_state = None
+    if "render" in colocated:
+        from serve_app.render import RenderService
+
+        service = await RenderService.create(args, model)
+        render, render_state = InProcess(service), service.state
+    plain = None
+    if "plain_derender" in colocated or engine is not None:
+        from serve_app.derender.plain import build_plain_service
+
+        plain = build_plain_service(args, model)
+    if "plain_derender" in colocated:
+        plain_derender = InProcess(plain)
+    parsers = None
+    if args.has_parser and ("parser_derender" in colocated or engine is not None):
+        from serve_app.derender.parser import build_parser_service
+
+        parsers = await build_parser_service(args, model, render_state)
+    composed = None
+    if engine is not None:
+        assert plain is not None
+        composed = build_composed(args, model, render, engine, parsers or plain, plain)
+    return IngressStages(
+        render=render,
+        plain_derender=plain_derender,
+        chat_derender=parser_derender if args.has_parser else plain_derender,
+        parser_derender=parser_derender if args.has_parser else None,
+        local_parser=parsers if "parser_derender" in colocated else None,
+        engine=engine,
+        composed=composed,
+    )
