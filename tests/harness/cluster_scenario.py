@@ -41,7 +41,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tests.harness.cluster import LocalAutoscalingCluster, NodeType, cluster_processes, free_port, node_type_of, teardown_cluster
+from tests.harness.cluster import LocalAutoscalingCluster, NodeType, cluster_processes, node_type_of, teardown_cluster
+from tests.harness.net import free_port
 from tests.harness.payloads import MINIMAL_WEATHER_TOOLS
 
 __all__ = ["NODE_TYPES", "PROFILES", "Options", "app_args", "main", "run"]
