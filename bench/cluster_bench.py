@@ -132,9 +132,9 @@ def _shade_phases(ax: Any, samples: list[dict[str, Any]]) -> None:
 
 
 def plot(data: dict[str, Any], out: Path) -> Path:
-    from bench.plots import _log_y, _pyplot, _title
+    from bench.common.plots import log_y, pyplot, run_title
 
-    plt = _pyplot()
+    plt = pyplot()
     samples = [s for s in data["samples"] if s["phase"] != "deploy"]
     ts = [s["t"] for s in samples]
     fig, axes = plt.subplots(4, 1, figsize=(11, 12), sharex=True)
@@ -173,12 +173,12 @@ def plot(data: dict[str, Any], out: Path) -> Path:
     for q, style in (("p50_ms", "o-"), ("p99_ms", "s-")):
         pts = [(s["t"], s[q]) for s in samples if s.get(q)]
         ax_lat.plot([p[0] for p in pts], [p[1] for p in pts], style, ms=2, lw=1, label=f"chunk {q[:3]} (window)")
-    _log_y(ax_lat)
+    log_y(ax_lat)
     ax_lat.set_ylabel("ms per chunk")
     ax_lat.set_xlabel("seconds since the scenario started; shading: reference (grey), ramp (yellow), peak (red), "
                       "trickle (blue), idle (green)")
     ax_lat.legend(loc="upper left", fontsize=8)
-    fig.suptitle("Multi-node autoscaling on one machine: nodes, replicas, throughput and latency\n" + _title(data), fontsize=10)
+    fig.suptitle("Multi-node autoscaling on one machine: nodes, replicas, throughput and latency\n" + run_title(data), fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

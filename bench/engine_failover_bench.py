@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from bench.common.paths import RESULTS
+from bench.common.ray_internals import deploy_apps
 from bench.common.report import fmt, machine_info, machine_line, write_results
 from bench.common.serve_cluster import prepare_driver
 from bench.common.servers import free_port
@@ -141,8 +142,6 @@ def main() -> None:
     prepare_driver()
     import ray
     from ray import serve
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
     from transformers import AutoTokenizer
 
     from serve_app.models import ensure_model
@@ -155,7 +154,7 @@ def main() -> None:
              logging_level="WARNING")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING", "enable_access_log": False})
-        _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app_config("/")]}))
+        deploy_apps({"applications": [app_config("/")]})
         wait_engines(2)
         base = f"http://127.0.0.1:{port}"
         results = [_round(base, tok, opts.per_kind, opts.sentences) for _ in range(opts.rounds)]

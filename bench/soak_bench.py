@@ -58,6 +58,7 @@ import orjson
 
 from bench.common.load import progress
 from bench.common.paths import LOGS, REPO, RESULTS
+from bench.common.ray_internals import gcs_actors
 from bench.common.report import fmt, machine_info, machine_line, rerender, write_results
 from bench.common.serve_cluster import APP_NAME, make_run_env, prepare_driver, replica_counts, start_app, wait_haproxy_up
 from bench.common.servers import free_port, wait_http
@@ -520,10 +521,9 @@ def sample_processes() -> dict[str, dict[str, Any]]:
     """RSS (bytes) of every live Serve actor process (found by the GCS actor table), of their child processes
     (summed by command name: ``haproxy``, ``VLLM::EngineCore``), of raylet / gcs_server, and of this process."""
     import psutil
-    from ray._private import state
 
     out: dict[str, dict[str, Any]] = {}
-    for info in state.actors().values():
+    for info in gcs_actors().values():
         if info.get("State") != "ALIVE" or not info.get("Pid"):
             continue
         label, role = _proc_label(info)
@@ -841,9 +841,9 @@ def render_report(data: dict[str, Any]) -> str:
 
 
 def plot(data: dict[str, Any], out: Path) -> Path:
-    from bench.plots import _pyplot, _title
+    from bench.common.plots import pyplot, run_title
 
-    plt = _pyplot()
+    plt = pyplot()
     a = analyse(data)
     o = data["options"]
     samples = data["samples"]
@@ -863,9 +863,9 @@ def plot(data: dict[str, Any], out: Path) -> Path:
             ax_rel.plot([p[0] for p in pts], [100 * (p[1] / r["baseline_mib"] - 1) for p in pts], style, color=color, lw=1.4)
     tol = 100 * o["tolerance"]
     ax_rel.axhspan(-tol, tol, color="#2ca02c", alpha=0.08, label=f"±{tol:.0f} %")
-    from bench.plots import _log_y
+    from bench.common.plots import log_y
 
-    _log_y(ax_abs)
+    log_y(ax_abs)
     ax_abs.set_ylabel("RSS MiB")
     ax_abs.set_title("RSS per process (solid: gated Serve processes)")
     ax_rel.set_ylabel("% vs baseline after warm-up")
@@ -911,7 +911,7 @@ def plot(data: dict[str, Any], out: Path) -> Path:
     handles, names = ax_abs.get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=4, fontsize=7, title="RSS per process (flat within tolerance after warm-up?)",
                title_fontsize=8)
-    fig.suptitle(f"Soak: {o['minutes']:g} minutes, {'PASS' if a['pass'] else 'FAIL'}\n" + _title(data), fontsize=10)
+    fig.suptitle(f"Soak: {o['minutes']:g} minutes, {'PASS' if a['pass'] else 'FAIL'}\n" + run_title(data), fontsize=10)
     fig.tight_layout(rect=(0, 0.13, 1, 1))
     fig.savefig(out, dpi=110)
     plt.close(fig)
