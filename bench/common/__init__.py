@@ -11,13 +11,14 @@
   workload, one chunk's call, per-window latency).
 * :mod:`bench.common.plots` - matplotlib helpers every plot uses.
 * :mod:`bench.common.cpu` - CPU time per process role, from ``/proc``.
+* :mod:`bench.common.procs` - RSS of every Serve process (GCS actor table, psutil).
 * :mod:`bench.common.load` - driving a call from N workers and measuring it, or N workers running whole
   sessions (streams) into a ``Recorder`` with progress on stderr; the aiohttp client, SSE events.
 * :mod:`bench.common.workloads` - the tool-and-reasoning chat and its output, the multilingual text,
   joining a stream's chunks for parity checks.
-* :mod:`bench.common.stats` - percentiles and latency summaries.
+* :mod:`bench.common.stats` - percentiles, latency summaries, a trend's slope.
 * :mod:`bench.common.report` - machine info, number formatting, writing ``bench/results/*.md`` / ``.json``.
 
 Scenarios shared with the tests (the local autoscaling cluster, engine failover, tool payloads, the
-derender stream client) live in :mod:`tests.harness`; no bench imports another bench.
+derender stream client, reading the app's /metrics) live in :mod:`tests.harness`; no bench imports another bench.
 """

@@ -19,6 +19,7 @@ from typing import Any, Callable, Coroutine, NoReturn
 from bench.common.paths import REPO
 from bench.common.ray_internals import haproxy_replicas_up
 from bench.common.servers import kill_group
+from tests.harness.metrics import session_outcomes as session_outcomes  # re-exported for the benches
 
 APP_NAME = "serve_app"
 COLOCATE = ["render", "plain_derender"]  # AppArgs.colocate_in_ingress of the colocated configurations
@@ -30,18 +31,6 @@ def make_run_env() -> dict[str, str]:
 
     line = next(ln for ln in (REPO / "Makefile").read_text().splitlines() if ln.startswith("SERVE_ENV :="))
     return dict(kv.split("=", 1) for kv in shlex.split(line.split(":=", 1)[1]))
-
-
-def session_outcomes(metrics_text: str) -> dict[str, float]:
-    """Parser-derender chunks by session-cache outcome (hit, miss, new, none), summed over the Ingress
-    replicas, from the app's ``/metrics`` text (the Ingress counts them whichever replica parsed)."""
-    out: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        if line.startswith("serve_app_parser_session_chunks_total{"):
-            labels, value = line.split("{", 1)[1].rsplit("} ", 1)
-            outcome = labels.split('outcome="', 1)[1].split('"', 1)[0]
-            out[outcome] = out.get(outcome, 0.0) + float(value)
-    return out
 
 
 def shipped_colocate() -> list[str]:

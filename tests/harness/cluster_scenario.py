@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.harness.cluster import LocalAutoscalingCluster, NodeType, cluster_processes, node_type_of, teardown_cluster
+from tests.harness.metrics import session_outcomes
 from tests.harness.net import free_port
 from tests.harness.payloads import MINIMAL_WEATHER_TOOLS
 
@@ -454,16 +455,9 @@ def _session_outcomes(base: str) -> dict[str, float] | None:
     """ParserDerender chunks by session-cache outcome (hit: its live parser; miss: a replay of the carried
     state on a replica that had none, e.g. after the hash ring changed with the replicas; new: a stream's first)."""
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        counts: dict[str, float] = {}
-        for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text):
-            for s in family.samples:
-                if s.name == "serve_app_parser_session_chunks_total":
-                    outcome = s.labels.get("outcome", "?")
-                    counts[outcome] = counts.get(outcome, 0.0) + s.value
-        return counts
+        return session_outcomes(httpx.get(base + "/metrics", timeout=30).text)
     except Exception:  # noqa: BLE001 - informational
         return None
 

@@ -33,8 +33,8 @@ def token_chunks(
     out = []
     for k, part in enumerate(parts):
         final = k == n - 1
-        fields = {f: v if final else None for f, v in last.items()}
-        out.append(chunk(part, request_id, finish_reason=finish_reason if final else None, **fields))
+        choice: dict[str, Any] = {"finish_reason": finish_reason if final else None, **{f: v if final else None for f, v in last.items()}}
+        out.append(chunk(part, request_id, **choice))
     return out
 
 
