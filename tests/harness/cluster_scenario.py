@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.harness.cluster import LocalAutoscalingCluster, NodeType, cluster_processes, node_type_of, teardown_cluster
+from tests.harness.derender_stream import chunk, stream_body
 from tests.harness.metrics import session_outcomes
 from tests.harness.net import free_port
 from tests.harness.payloads import MINIMAL_WEATHER_TOOLS
@@ -314,14 +315,9 @@ class Load:
         self._session: Any = None
 
     def _body(self, kind: str, rid: str, ids: list[int], last: bool, state: Any) -> bytes:
-        choice = {"index": 0, "token_ids": ids, "finish_reason": ("stop" if kind == "parser" else "length") if last else None}
-        body: dict[str, Any] = {"stream": True, "generate_chunk": {"request_id": rid, "choices": [choice]}, "stream_state": state,
-                                "prompt_token_ids": self.prompt}
-        if kind == "parser":
-            body["chat_request"] = CHAT_REQUEST
-        else:
-            body["prompt_tokens"] = len(self.prompt)
-        return json.dumps(body).encode()
+        generate_chunk = chunk(ids, rid, finish_reason=("stop" if kind == "parser" else "length") if last else None)
+        fields = {"chat_request": CHAT_REQUEST} if kind == "parser" else {"prompt_tokens": len(self.prompt)}
+        return json.dumps(stream_body(generate_chunk, state, prompt_token_ids=self.prompt, **fields)).encode()
 
     async def stream(self, kind: str, rid: str) -> dict[str, Any]:
         """One whole stream; its record: when, how many chunks, identical to the unloaded run or why not."""
