@@ -44,7 +44,7 @@ import orjson
 import yaml
 
 from bench.common.cpu import idle_cpu_util
-from bench.common.parser_stream import PARSER_APP, chunk_body, parser_workload, windows
+from bench.common.parser_stream import PARSER_APP, chunk_body, parser_workload, set_parser_env, windows
 from bench.common.paths import LOGS, REPO, RESULTS
 from bench.common.ray_internals import HashRing
 from bench.common.report import machine_info, rerender, write_results
@@ -464,6 +464,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: N = 300, 1 stream, 3 reps, output under logs.tmp/")
     p.add_argument("--from-json", type=Path, help="only write the report, plot and YAML again from a results JSON")
     opts = p.parse_args()
+    set_parser_env()
     if opts.from_json:  # the model again from the saved measurements and the current load.json
         saved = orjson.loads(opts.from_json.read_bytes())
         saved["serve"] = serve_cpu()

@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from typing import Any
 
 import httpx
 
-from bench.common.parser_stream import PARSER_APP, chunk_body, parser_workload
+from bench.common.parser_stream import PARSER_APP, chunk_body, parser_workload, set_parser_env
 from bench.common.paths import LOGS, RESULTS
 from bench.common.report import machine_info, machine_line, write_results
 from bench.common.serve_cluster import (
@@ -164,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
+    set_parser_env()  # what importing parser_bench set in this process and its workers
     prepare_driver()
     if opts.worker:
         run_worker(opts.worker, _worker_main, lambda cfg: {"config": cfg["name"], "topology": TOPOLOGIES[cfg["name"]]})
@@ -185,5 +185,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     main()

@@ -4,6 +4,7 @@ qwen3-tiny with hermes + qwen3, a tool-and-reasoning output one token per chunk,
 
 from __future__ import annotations
 
+import os
 import statistics
 from typing import Any
 
@@ -21,6 +22,16 @@ PARSER_APP = dict(  # AppArgs of our side (vLLM's side: the same flags)
     max_model_len=MAX_MODEL_LEN,
 )
 WINDOWS = [0, 250, 500, 1000, 2000, 4000, 6000, 7900]  # first positions of the 100-chunk windows reported
+
+
+def set_parser_env() -> None:
+    """The environment of a parser bench's process, set before vLLM or Ray is imported: vLLM accepts
+    ``MAX_MODEL_LEN`` above the model's 4096 (no model runs, only tokenizer and parser work), and
+    Serve's flags as ``make run`` (a worker's own ``env`` still overrides them)."""
+    os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+    for key, value in (("RAY_AUTH_MODE", "disabled"), ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1"), ("RAY_SERVE_ENABLE_HA_PROXY", "1"),
+                       ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(key, value)
 
 
 def parser_workload(tokens: int) -> tuple[list[int], list[int]]:
