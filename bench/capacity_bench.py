@@ -6,7 +6,7 @@
     flock /tmp/serve_app_heavy.lock .venv/bin/python -m bench.capacity_bench   # as the results were made
 
 With the real ``ParserDerenderService`` (no Ray, no HTTP; qwen3-tiny, hermes + qwen3 as
-``parser_bench``) and its streams of one token per chunk (``parser_bench.chunk_body``: the client
+``parser_bench``) and its streams of one token per chunk (``bench.common.parser_stream.chunk_body``: the client
 carries ``stream_state``), it measures CPU time of the calling thread (``time.thread_time``) and wall
 time per ``chat_with_outcome`` call. The sync call runs all of a chunk's work in this thread (the
 replica's async twin would move long replays to a worker thread: the same work).
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import math
 import os
 import random
@@ -45,11 +44,12 @@ import orjson
 import yaml
 
 from bench.common.cpu import idle_cpu_util
+from bench.common.parser_stream import PARSER_APP, chunk_body, parser_workload, set_parser_env, windows
 from bench.common.paths import LOGS, REPO, RESULTS
+from bench.common.ray_internals import HashRing
 from bench.common.report import machine_info, rerender, write_results
 from bench.common.stats import percentile
 from bench.common.workloads import chat_variant
-from bench.parser_bench import APP, chunk_body, windows, workload
 
 MISS_POSITIONS = [0, 250, 500, 1000, 2000, 3000, 4000]
 UTILISATION = 0.7
@@ -149,21 +149,12 @@ def ring_moves(router_kwargs: dict[str, Any]) -> dict[str, Any]:
     the N + 1 leaves (back to N), over ``RING_TRIALS`` draws of replica ids. The ring and the lookup
     are Ray's own code (``_rebuild_ring``, ``_lookup_ranked_replicas``: mmh3, its seed, vnode keys
     ``f"{unique_id}:{i}"``) on a router built without a cluster; replica ids come from Ray's generator."""
-    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
-    from ray.serve._private.constants import SERVE_LOGGER_NAME
-    from ray.serve._private.utils import get_random_string
-    from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
-
-    logging.getLogger(SERVE_LOGGER_NAME).setLevel(logging.WARNING)  # one INFO line per ring rebuild
-    dep = DeploymentID(name="ParserDerender", app_name="serve_app")
-    router = ConsistentHashRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(**router_kwargs)
+    ring = HashRing("ParserDerender", "serve_app", router_kwargs)
     rng = random.Random(13)
     sessions = [f"chatcmpl-{rng.getrandbits(128):032x}" for _ in range(SESSIONS)]  # stream ids, as the ingress keys on
 
     def owners(replicas: list[Any]) -> list[Any]:
-        router._rebuild_ring(frozenset(replicas))
-        return [router._lookup_ranked_replicas(s)[0] for s in sessions]
+        return ring.owners(replicas, sessions)
 
     def moved(a: list[Any], b: list[Any]) -> float:
         return sum(x != y for x, y in zip(a, b, strict=True)) / len(sessions)
@@ -173,7 +164,7 @@ def ring_moves(router_kwargs: dict[str, Any]) -> dict[str, Any]:
         up, down, busiest = [], [], []
         for trial in range(RING_TRIALS):
             random.seed(1000 * n + trial)  # get_random_string draws from the global generator
-            replicas = [ReplicaID(get_random_string(), deployment_id=dep) for _ in range(n + 1)]
+            replicas = [ring.new_replica_id() for _ in range(n + 1)]
             before, after = owners(replicas[:n]), owners(replicas)
             up.append(moved(before, after))
             gone = rng.choice(replicas)  # Serve may stop any replica, not only the newest
@@ -253,9 +244,9 @@ def model(hits: dict[str, Any], misses: dict[str, Any], ring: dict[str, Any], se
 
 
 def plot(data: dict[str, Any], out: Path) -> None:
-    from bench.plots import COLORS, _log_y, _pyplot, _rolling_median
+    from bench.common.plots import COLORS, log_y, pyplot, rolling_median
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     rows, fit = data["misses"]["rows"], data["misses"]["fit"]
     xs = [r["position"] for r in rows]
@@ -266,9 +257,9 @@ def plot(data: dict[str, Any], out: Path) -> None:
         lo = min(x for x in xs if x > 0)  # the fit is for replays: drawn from the first one (a can be < 0)
         grid = [lo + (max(xs) - lo) * k / 50 for k in range(51)]  # a straight line, on a log axis
         ax.plot(grid, [a + b * x for x in grid], "-", color=color, alpha=0.6, label=f"fit {a:.2f} + {b * 1e3:.2f} µs × p")
-    hx, hy = _rolling_median([ms / 1e3 for ms in data["hits"]["cpu_ms_by_position"][1:]], 100)
+    hx, hy = rolling_median([ms / 1e3 for ms in data["hits"]["cpu_ms_by_position"][1:]], 100)
     ax.plot(hx, hy, "-", color=COLORS["ours"], label="hit (rolling median of 100 positions)")
-    _log_y(ax)
+    log_y(ax)
     ax.set_xlabel("position in the stream (output tokens carried)")
     ax.set_ylabel("CPU ms per chunk (thread time)")
     m = data["machine"]
@@ -473,6 +464,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: N = 300, 1 stream, 3 reps, output under logs.tmp/")
     p.add_argument("--from-json", type=Path, help="only write the report, plot and YAML again from a results JSON")
     opts = p.parse_args()
+    set_parser_env()
     if opts.from_json:  # the model again from the saved measurements and the current load.json
         saved = orjson.loads(opts.from_json.read_bytes())
         saved["serve"] = serve_cpu()
@@ -492,9 +484,9 @@ def main() -> None:
 
     background = idle_cpu_util(2.0)  # other work on the machine skews per-thread CPU time too (shared cores, caches)
     print(f"machine busy {100 * background:.0f}% before the run; building the parser service (imports vLLM: ~30 s) ...", flush=True)
-    args = AppArgs(**APP)
+    args = AppArgs(**PARSER_APP)
     service = asyncio.run(build_parser_service(args, args.resolve()))
-    prompt, output = workload(opts.tokens + 1)  # positions 0..N
+    prompt, output = parser_workload(opts.tokens + 1)  # positions 0..N
     positions = sorted({q for q in MISS_POSITIONS if q < opts.tokens} | {opts.tokens})
     print(f"1. hit cost: {opts.streams} streams of {len(output)} chunks", flush=True)
     hits = measure_hits(service, prompt, output, opts, set(positions))

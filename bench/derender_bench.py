@@ -45,11 +45,11 @@ from typing import Any, Awaitable, Callable
 from bench.common.cpu import cpu_by_role, idle_cpu_util, proc_cpu
 from bench.common.load import client_session
 from bench.common.paths import LOGS, RESULTS
+from bench.common.ray_internals import direct_ingress_ports, serve_flags
 from bench.common.report import fmt, machine_info, machine_line, rerender, write_results
 from bench.common.serve_cluster import (
     APP_NAME,
     COLOCATE,
-    direct_ingress_ports,
     prepare_driver,
     replica_counts,
     run_worker,
@@ -345,7 +345,6 @@ def topology(cfg: dict[str, Any]) -> str:
 
 async def _worker_main(opts: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
     from ray import serve
-    from ray.serve._private import constants as sc
 
     from serve_app.app import build_app
     from serve_app.config import AppArgs
@@ -353,8 +352,7 @@ async def _worker_main(opts: argparse.Namespace, cfg: dict[str, Any]) -> dict[st
     w = json.loads(Path(cfg["workload"]).read_text())
     ref = json.loads(Path(cfg["reference"]).read_text()) if cfg.get("reference") else None
     res: dict[str, Any] = {"config": cfg["name"], "env": cfg["env"], "topology": topology(cfg)}
-    res["flags"] = {"direct_ingress": sc.RAY_SERVE_ENABLE_DIRECT_INGRESS, "ha_proxy": sc.RAY_SERVE_ENABLE_HA_PROXY,
-                    "grpc_between_deployments": sc.RAY_SERVE_USE_GRPC_BY_DEFAULT}
+    res["flags"] = serve_flags("direct_ingress", "ha_proxy", "grpc_between_deployments")
     port = cfg["port"]
     t0 = time.monotonic()
     start_app(lambda: build_app(AppArgs(model=opts.model, colocate_in_ingress=COLOCATE if cfg["coloc"] else [])),
@@ -362,7 +360,7 @@ async def _worker_main(opts: argparse.Namespace, cfg: dict[str, Any]) -> dict[st
     base = f"http://127.0.0.1:{port}"
     await wait_http(base + "/health", 120, ok_in_a_row=3)
     if res["flags"]["ha_proxy"]:
-        res["haproxy_replicas_up"] = await wait_haproxy_up(len(direct_ingress_ports()) or 1)
+        res["haproxy_replicas_up"] = await wait_haproxy_up(len(direct_ingress_ports(APP_NAME)) or 1)
     res["startup_s"] = time.monotonic() - t0
     if (counts := replica_counts()) is not None:
         res["deployments"] = counts

@@ -2,7 +2,7 @@
 
     flock /tmp/heavy.lock .venv/bin/python -m bench.engine_failover_bench [--rounds 3]
 
-The scenario of ``tests/integration/test_engine_failover.py`` (``serve_app/testing/failover.py``):
+The scenario of ``tests/integration/test_engine_failover.py`` (``tests/harness/failover.py``):
 qwen3-tiny, two CPU Engine replicas (128 MiB KV cache, ``max_num_seqs`` 8, the scripted-output logits
 processor), one Ingress with render and plain derender in it; ``--per-kind`` requests of each composed
 kind at once (chat and completions, streamed and not), ``--sentences`` x ~16 output tokens each. The
@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from bench.common.paths import RESULTS
+from bench.common.ray_internals import deploy_apps
 from bench.common.report import fmt, machine_info, machine_line, write_results
 from bench.common.serve_cluster import prepare_driver
 from bench.common.servers import free_port
@@ -38,7 +39,7 @@ OUT = RESULTS / "engine_failover"
 def _round(base: str, tok: Any, per_kind: int, sentences: int) -> dict[str, Any]:
     from concurrent.futures import ThreadPoolExecutor
 
-    from serve_app.testing.failover import KINDS, engine_replicas, fault_run, request, retried_request_ids, run_request, wait_engines
+    from tests.harness.failover import KINDS, engine_replicas, fault_run, request, retried_request_ids, run_request, wait_engines
 
     jobs = [(kind, *request(kind, tok, sentences)) for kind in KINDS for _ in range(per_kind)]
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -141,12 +142,10 @@ def main() -> None:
     prepare_driver()
     import ray
     from ray import serve
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
     from transformers import AutoTokenizer
 
     from serve_app.models import ensure_model
-    from serve_app.testing.failover import SENTENCE, app_config, wait_engines
+    from tests.harness.failover import SENTENCE, app_config, wait_engines
 
     t0 = time.monotonic()
     tok = AutoTokenizer.from_pretrained(ensure_model("qwen3-tiny"))
@@ -155,7 +154,7 @@ def main() -> None:
              logging_level="WARNING")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING", "enable_access_log": False})
-        _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app_config("/")]}))
+        deploy_apps({"applications": [app_config("/")]})
         wait_engines(2)
         base = f"http://127.0.0.1:{port}"
         results = [_round(base, tok, opts.per_kind, opts.sentences) for _ in range(opts.rounds)]

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from typing import Any
 
 import httpx
 
+from bench.common.parser_stream import PARSER_APP, chunk_body, parser_workload, set_parser_env
 from bench.common.paths import LOGS, RESULTS
 from bench.common.report import machine_info, machine_line, write_results
 from bench.common.serve_cluster import (
@@ -50,7 +50,6 @@ from bench.common.serve_cluster import (
     wait_haproxy_up,
 )
 from bench.common.servers import free_port
-from bench.parser_bench import APP, chunk_body, workload
 
 CONSISTENT_HASH = "ray.serve.experimental.consistent_hash_router:ConsistentHashRouter"
 COLOC = [*COLOCATE, "parser_derender"]
@@ -96,14 +95,14 @@ async def _worker_main(cfg: dict[str, Any]) -> dict[str, Any]:
     if "router" in topo:
         ingress["request_router_config"] = {"request_router_class": topo["router"],
                                             "request_router_kwargs": {"num_fallback_replicas": 0}}
-    args = AppArgs(**APP, colocate_in_ingress=topo["colocate"],
+    args = AppArgs(**PARSER_APP, colocate_in_ingress=topo["colocate"],
                    deployments={"ingress": ingress, "parser_derender": {"num_replicas": 1}})
     port = free_port()
     start_app(lambda: build_app(args), port=port, namespace=f"hop-{cfg['name']}")
     if topo["haproxy"]:
         await wait_haproxy_up(topo["ingress"])
     base = f"http://127.0.0.1:{port}"
-    prompt, output = workload(cfg["tokens"])
+    prompt, output = parser_workload(cfg["tokens"])
     url = f"{base}/v1/chat/completions/derender"
     with httpx.Client(timeout=120) as c:
         _stream(c, url, prompt, output[:50], "warmup", topo["header"])
@@ -164,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
+    set_parser_env()  # what importing parser_bench set in this process and its workers
     prepare_driver()
     if opts.worker:
         run_worker(opts.worker, _worker_main, lambda cfg: {"config": cfg["name"], "topology": TOPOLOGIES[cfg["name"]]})
@@ -185,5 +185,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     main()

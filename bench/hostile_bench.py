@@ -15,10 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results"
+from bench.common.paths import RESULTS
 
 
 def _best_of(fn: Any, repeat: int = 3) -> float:

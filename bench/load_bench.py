@@ -48,7 +48,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import orjson
 
@@ -75,6 +75,7 @@ from bench.common.workloads import (
     tool_reasoning_output,
     without_random_fields,
 )
+from tests.harness.derender_stream import acarry_state, split, token_chunks
 
 APP_ARGS: dict[str, Any] = {"model": MODEL, "tool_call_parser": "hermes", "reasoning_parser": "qwen3", "enable_auto_tool_choice": True}
 KV_BYTES = 256 * 1024 * 1024  # qwen3-tiny holds 512 B of KV per token: ~500k tokens, far more than c=32 needs
@@ -122,8 +123,23 @@ def build_workload(opts: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _stream_chunk(rid: str, token: int, finish: str | None) -> dict[str, Any]:
-    return {"request_id": rid, "choices": [{"index": 0, "token_ids": [token], "finish_reason": finish}]}
+def _timed_post(http: Any, url: str, headers: dict[str, str], rec: Recorder) -> Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]:
+    """A stream's ``post`` for :func:`acarry_state`: each call timed into ``rec`` by its position in the
+    stream (the body is encoded before the clock starts), a non-200 an error."""
+    position = 0
+
+    async def post(body: dict[str, Any]) -> dict[str, Any]:
+        nonlocal position
+        i, position, data = position, position + 1, orjson.dumps(body)
+        t0 = time.perf_counter()
+        async with http.post(url, data=data, headers=headers) as resp:
+            raw, status = await resp.read(), resp.status
+        rec.add("chunk", time.perf_counter() - t0, i)
+        if status != 200:
+            raise RuntimeError(f"chunk {i}: HTTP {status}: {raw[:300]!r}")
+        return orjson.loads(raw)
+
+    return post
 
 
 Keep = list[tuple[Any, Any]]  # (chunk, stream_state) per call, for the parity check
@@ -134,7 +150,6 @@ def parser_session(http: Any, base: str, wl: dict[str, Any], ref: dict[str, Any]
     """One parser derender stream per session, chunk after chunk, carrying stream_state."""
     url = base + "/v1/chat/completions/derender"
     output = wl["parser_output"][:tokens]
-    last = len(output) - 1
 
     async def run(rec: Recorder, k: int) -> None:
         v = k % VARIANTS
@@ -142,23 +157,13 @@ def parser_session(http: Any, base: str, wl: dict[str, Any], ref: dict[str, Any]
         # The stream's id as x-session-id, as an orchestrator sends it: the front door keeps the stream
         # on one Ingress replica, the one holding its parser (vLLM ignores the header).
         headers = {**JSON_HEADERS, "x-session-id": rid}
-        state, chunks = None, []
-        for i, token in enumerate(output):
-            chunk = _stream_chunk(rid, token, "stop" if i == last else None)
-            body = orjson.dumps({"stream": True, "model": MODEL, "generate_chunk": chunk, "stream_state": state,
-                                 "chat_request": req, "prompt_token_ids": prompt})
-            t0 = time.perf_counter()
-            async with http.post(url, data=body, headers=headers) as resp:
-                data, status = await resp.read(), resp.status
-            rec.add("chunk", time.perf_counter() - t0, i)
-            if status != 200:
-                raise RuntimeError(f"chunk {i}: HTTP {status}: {data[:300]!r}")
-            out = orjson.loads(data)
-            state = out["stream_state"]
+        chunks = []
+        async for out in acarry_state(_timed_post(http, url, headers, rec), token_chunks(split(output), rid), model=MODEL,
+                                      chat_request=req, prompt_token_ids=prompt):
             chunks.append(out["chunk"])
             rec.count("chunks")
             if keep is not None:
-                keep.append((out["chunk"], state))
+                keep.append((out["chunk"], out["stream_state"]))
         if ref is not None and joined(chunks) != ref:
             rec.count("mismatches")
 
@@ -170,27 +175,17 @@ def plain_session(http: Any, base: str, wl: dict[str, Any], ref: str | None, *, 
     """One completions derender stream per session (plain detokenization), carrying stream_state."""
     url = base + "/v1/completions/derender"
     output = wl["plain_output"][:tokens]
-    last = len(output) - 1
 
     async def run(rec: Recorder, k: int) -> None:
         prompt, rid = wl["prompts"][k % VARIANTS], f"load-plain-{k}"
-        state, text = None, []
-        for i, token in enumerate(output):
-            chunk = _stream_chunk(rid, token, "length" if i == last else None)
-            body = orjson.dumps({"stream": True, "model": MODEL, "generate_chunk": chunk, "stream_state": state,
-                                 "prompt_tokens": len(prompt), "prompt_token_ids": prompt})
-            t0 = time.perf_counter()
-            async with http.post(url, data=body, headers=JSON_HEADERS) as resp:
-                data, status = await resp.read(), resp.status
-            rec.add("chunk", time.perf_counter() - t0, i)
-            if status != 200:
-                raise RuntimeError(f"chunk {i}: HTTP {status}: {data[:300]!r}")
-            out = orjson.loads(data)
-            state = out["stream_state"]
+        text = []
+        parts = token_chunks(split(output), rid, "length")
+        async for out in acarry_state(_timed_post(http, url, JSON_HEADERS, rec), parts, model=MODEL,
+                                      prompt_tokens=len(prompt), prompt_token_ids=prompt):
             text += [c.get("text") or "" for c in out["chunk"]["choices"]]
             rec.count("chunks")
             if keep is not None:
-                keep.append((out["chunk"], state))
+                keep.append((out["chunk"], out["stream_state"]))
         if ref is not None and "".join(text) != ref:
             rec.count("mismatches")
 

@@ -18,29 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
 from bench.common.paths import RESULTS
+from bench.common.plots import COLORS, LABELS, log_y, pyplot, rolling_median, run_title
 
-COLORS = {"vllm": "#d62728", "ours": "#1f77b4"}
-LABELS = {"vllm": "vLLM 0.32", "ours": "serve_app"}
 PANELS = [  # workload, title, y label, count (its rate is <count>_per_s), latency series
     ("parser", "parser derender streams", "chunks/s", "chunks", "chunk"),
     ("plain", "plain derender streams", "chunks/s", "chunks", "chunk"),
     ("render", "chat render", "requests/s", "requests", "request"),
     ("composed", "composed chat (vs vllm serve)", "output tokens/s", "tokens", "itl"),
 ]
-
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _series(data: dict[str, Any], workload: str, system: str, value: Any) -> tuple[list[int], list[float]]:
@@ -62,16 +51,6 @@ def _panels(plt: Any, data: dict[str, Any]) -> tuple[Any, list[tuple[Any, tuple[
     return fig, list(zip(flat, present, strict=False))
 
 
-def _log_y(ax: Any) -> None:
-    """A log y axis labelled in plain numbers (0.5, 2, 10), not powers of ten."""
-    from matplotlib.ticker import FuncFormatter, LogLocator
-
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
-
-
 def _concurrency_axis(ax: Any, data: dict[str, Any]) -> None:
     cs = sorted({r["concurrency"] for r in data["cases"]})
     ax.set_xscale("log", base=2)
@@ -81,13 +60,8 @@ def _concurrency_axis(ax: Any, data: dict[str, Any]) -> None:
     ax.grid(True, alpha=0.3)
 
 
-def _title(data: dict[str, Any]) -> str:
-    m = data.get("machine", {})
-    return f"{m.get('date_utc', '')} · {m.get('logical_cpus', '?')} CPUs · serve_app {m.get('git_commit', '')}"
-
-
 def plot_throughput(data: dict[str, Any], out: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, panels = _panels(plt, data)
     for ax, (workload, title, unit, count, _) in panels:
         for system in ("vllm", "ours"):
@@ -99,7 +73,7 @@ def plot_throughput(data: dict[str, Any], out: Path) -> Path:
         ax.set_ylabel(unit)
         ax.set_ylim(bottom=0)
         ax.legend()
-    fig.suptitle("Throughput by concurrency\n" + _title(data), fontsize=10)
+    fig.suptitle("Throughput by concurrency\n" + run_title(data), fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -107,7 +81,7 @@ def plot_throughput(data: dict[str, Any], out: Path) -> Path:
 
 
 def plot_latency(data: dict[str, Any], out: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, panels = _panels(plt, data)
     for ax, (workload, title, _, _, series) in panels:
         for system in ("vllm", "ours"):
@@ -116,30 +90,22 @@ def plot_latency(data: dict[str, Any], out: Path) -> Path:
                 if xs:
                     ax.plot(xs, ys, style, color=COLORS[system], label=f"{LABELS[system]} {q[:3]}", alpha=1.0 if q == "p50_ms" else 0.6)
         _concurrency_axis(ax, data)
-        _log_y(ax)
+        log_y(ax)
         ax.set_title(f"{title}: {'inter-token latency' if series == 'itl' else 'per ' + series}")
         ax.set_ylabel("ms")
         ax.legend(fontsize=8)
-    fig.suptitle("Latency by concurrency (p50 solid, p99 dashed)\n" + _title(data), fontsize=10)
+    fig.suptitle("Latency by concurrency (p50 solid, p99 dashed)\n" + run_title(data), fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
 
 
-def _rolling_median(vals: list[float], window: int) -> tuple[list[int], list[float]]:
-    xs, ys = [], []
-    for start in range(0, max(0, len(vals) - window) + 1, max(1, window // 2)):
-        xs.append(start + window // 2)
-        ys.append(statistics.median(vals[start:start + window]) * 1e3)
-    return xs, ys
-
-
 def plot_parser_positions(parser: dict[str, Any] | None, load: dict[str, Any] | None, out: Path) -> Path | None:
     load_rows = [r for r in (load or {}).get("cases", []) if r["workload"] == "parser" and r.get("position_p50_ms", {}).get("chunk")]
     if parser is None and not load_rows:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     n = (parser is not None) + bool(load_rows)
     fig, axes = plt.subplots(1, n, figsize=(6.5 * n, 4.5), squeeze=False)
     axes = list(axes[0])
@@ -147,9 +113,9 @@ def plot_parser_positions(parser: dict[str, Any] | None, load: dict[str, Any] | 
         ax = axes.pop(0)
         samples = sorted((int(p), s * 1e3) for p, s in parser["vllm"]["per_chunk_s"].items())
         ax.plot([p for p, _ in samples], [s for _, s in samples], "o-", color=COLORS["vllm"], label=f"{LABELS['vllm']} (sampled positions)")
-        xs, ys = _rolling_median(parser["ours"]["per_chunk_all_s"], 100)
+        xs, ys = rolling_median(parser["ours"]["per_chunk_all_s"], 100)
         ax.plot(xs, ys, "-", color=COLORS["ours"], label=f"{LABELS['ours']} (rolling median of 100 chunks)")
-        _log_y(ax)
+        log_y(ax)
         ax.set_xlabel("position in the stream (output tokens so far)")
         ax.set_ylabel("ms per chunk")
         m = parser.get("machine", {})
@@ -166,10 +132,10 @@ def plot_parser_positions(parser: dict[str, Any] | None, load: dict[str, Any] | 
                     continue
                 pts = row["position_p50_ms"]["chunk"]
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=COLORS[system], label=f"{LABELS[system]}, c={c}")
-        _log_y(ax)
+        log_y(ax)
         ax.set_xlabel("position in the stream (output tokens so far)")
         ax.set_ylabel("p50 ms per chunk (10-position buckets)")
-        ax.set_title(f"under load (load_bench), lowest and highest concurrency\n{_title(load or {})}", fontsize=9)
+        ax.set_title(f"under load (load_bench), lowest and highest concurrency\n{run_title(load or {})}", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("Parser derender: per-chunk cost by stream position (hermes + qwen3, qwen3-tiny)", fontsize=10)

@@ -41,11 +41,11 @@ from typing import Any
 from bench.common.cpu import idle_cpu_util
 from bench.common.load import client_session, http_call, measure
 from bench.common.paths import LOGS, REPO, RESULTS
+from bench.common.ray_internals import direct_ingress_ports, serve_flags
 from bench.common.report import fmt, machine_info, machine_line, ratio, rerender, write_results
 from bench.common.serve_cluster import (
     APP_NAME,
     COLOCATE,
-    direct_ingress_ports,
     prepare_driver,
     replica_counts,
     run_worker,
@@ -54,7 +54,7 @@ from bench.common.serve_cluster import (
     wait_haproxy_up,
 )
 from bench.common.servers import VllmRender, free_port, shown, wait_http
-from serve_app.testing.payloads import WEATHER_AND_CONVERSION_TOOLS
+from tests.harness.payloads import WEATHER_AND_CONVERSION_TOOLS
 
 APP_ARGS: dict[str, Any] = {
     "model": "qwen3-tiny",
@@ -246,19 +246,12 @@ async def _inproc_main(opts: argparse.Namespace) -> dict[str, Any]:
 
 async def _worker_main(opts: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
     from ray import serve
-    from ray.serve._private import constants as sc
 
     from serve_app.app import build_app
     from serve_app.config import AppArgs
 
     result: dict[str, Any] = {"config": cfg["name"], "env": cfg["env"], "topology": topology(cfg), "rows": []}
-    result["flags"] = {
-        "direct_ingress": sc.RAY_SERVE_ENABLE_DIRECT_INGRESS,
-        "ha_proxy": sc.RAY_SERVE_ENABLE_HA_PROXY,
-        "grpc_between_deployments": sc.RAY_SERVE_USE_GRPC_BY_DEFAULT,
-        "user_code_in_separate_thread": sc.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD,
-        "router_in_separate_loop": sc.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
-    }
+    result["flags"] = serve_flags()
     port = cfg["port"]
 
     def make_app() -> Any:
@@ -277,7 +270,7 @@ async def _worker_main(opts: argparse.Namespace, cfg: dict[str, Any]) -> dict[st
     await wait_http(proxy_base + "/version", 120, ok_in_a_row=3)
     if result["flags"]["direct_ingress"]:
         deadline = time.monotonic() + 60
-        while not (ports := direct_ingress_ports()) and time.monotonic() < deadline:
+        while not (ports := direct_ingress_ports(APP_NAME)) and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         result["direct_ingress_ports"] = ports
         if ports and ports[0] != port:

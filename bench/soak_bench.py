@@ -58,9 +58,11 @@ import orjson
 
 from bench.common.load import progress
 from bench.common.paths import LOGS, REPO, RESULTS
+from bench.common.procs import cmd_name, sample_processes
 from bench.common.report import fmt, machine_info, machine_line, rerender, write_results
 from bench.common.serve_cluster import APP_NAME, make_run_env, prepare_driver, replica_counts, start_app, wait_haproxy_up
 from bench.common.servers import free_port, wait_http
+from bench.common.stats import slope_per_min
 from bench.common.workloads import (
     MODEL,
     chat_prompt,
@@ -493,65 +495,6 @@ class Traffic:
 # --------------------------------------------------------------------------------------------
 
 
-def _proc_label(info: dict[str, Any]) -> tuple[str, str]:
-    """(label, role) of an actor from the GCS actor table."""
-    cls, name = info.get("ActorClassName") or "", info.get("Name") or ""
-    if cls.startswith("ServeReplica:"):
-        deployment = cls.split(":")[-1]
-        return f"{deployment}#{name.rsplit('#', 1)[-1][:6]}", "replica"
-    if cls == "ServeController":
-        return "ServeController", "controller"
-    if cls in ("ProxyActor", "HAProxyManager"):
-        return cls, "proxy"
-    return cls or name or "actor", "replica"
-
-
-def _cmd_name(proc: Any) -> str:
-    try:
-        cmd = proc.cmdline()
-        if cmd:
-            return os.path.basename(cmd[0].split()[0])
-        return proc.name()
-    except Exception:  # noqa: BLE001 - gone meanwhile
-        return "?"
-
-
-def sample_processes() -> dict[str, dict[str, Any]]:
-    """RSS (bytes) of every live Serve actor process (found by the GCS actor table), of their child processes
-    (summed by command name: ``haproxy``, ``VLLM::EngineCore``), of raylet / gcs_server, and of this process."""
-    import psutil
-    from ray._private import state
-
-    out: dict[str, dict[str, Any]] = {}
-    for info in state.actors().values():
-        if info.get("State") != "ALIVE" or not info.get("Pid"):
-            continue
-        label, role = _proc_label(info)
-        try:
-            proc = psutil.Process(int(info["Pid"]))
-            out[label] = {"rss": proc.memory_info().rss, "pid": proc.pid, "role": role}
-            for child in proc.children(recursive=True):
-                try:
-                    rss = child.memory_info().rss
-                except psutil.Error:
-                    continue
-                entry = out.setdefault(f"{label} › {_cmd_name(child)}", {"rss": 0, "pids": [], "role": "child"})
-                entry["rss"] += rss
-                entry["pids"].append(child.pid)
-        except psutil.Error:
-            continue
-    me = psutil.Process()
-    out["load generator (this process)"] = {"rss": me.memory_info().rss, "pid": me.pid, "role": "client"}
-    for child in me.children(recursive=True):
-        try:
-            name = _cmd_name(child)
-            if name in ("raylet", "gcs_server"):
-                out[name] = {"rss": child.memory_info().rss, "pid": child.pid, "role": "ray-system"}
-        except psutil.Error:
-            continue
-    return out
-
-
 def parse_metrics(text: str) -> dict[str, Any]:
     """The app's own series from ``/metrics``: requests by route and status (summed over Ingress replicas) and
     the parser-session cache per ParserDerender replica."""
@@ -629,15 +572,6 @@ async def take_sample(traffic: Traffic, data: dict[str, Any], t0: float, level_o
 # --------------------------------------------------------------------------------------------
 
 
-def _slope_per_min(pts: list[tuple[float, float]]) -> float:
-    if len(pts) < 2:
-        return float("nan")
-    mt = statistics.fmean(t for t, _ in pts)
-    mv = statistics.fmean(v for _, v in pts)
-    den = sum((t - mt) ** 2 for t, _ in pts)
-    return sum((t - mt) * (v - mv) for t, v in pts) / den * 60 if den else float("nan")
-
-
 def analyse(data: dict[str, Any]) -> dict[str, Any]:
     o = data["options"]
     duration = o["minutes"] * 60
@@ -668,7 +602,7 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
             hi, lo = max(v for _, v in post), min(v for _, v in post)
             row.update(baseline_mib=base, end_mib=end, max_mib=hi, min_mib=lo, growth_pct=100 * (end / base - 1),
                        max_pct=100 * (hi / base - 1), min_pct=100 * (lo / base - 1),
-                       slope_mib_per_min=_slope_per_min(post),
+                       slope_mib_per_min=slope_per_min(post),
                        verdict="PASS" if hi <= base * (1 + tol) and lo >= base * (1 - tol) else "FAIL")
         memory[label] = row
     # caches
@@ -841,9 +775,9 @@ def render_report(data: dict[str, Any]) -> str:
 
 
 def plot(data: dict[str, Any], out: Path) -> Path:
-    from bench.plots import _pyplot, _title
+    from bench.common.plots import pyplot, run_title
 
-    plt = _pyplot()
+    plt = pyplot()
     a = analyse(data)
     o = data["options"]
     samples = data["samples"]
@@ -863,9 +797,9 @@ def plot(data: dict[str, Any], out: Path) -> Path:
             ax_rel.plot([p[0] for p in pts], [100 * (p[1] / r["baseline_mib"] - 1) for p in pts], style, color=color, lw=1.4)
     tol = 100 * o["tolerance"]
     ax_rel.axhspan(-tol, tol, color="#2ca02c", alpha=0.08, label=f"±{tol:.0f} %")
-    from bench.plots import _log_y
+    from bench.common.plots import log_y
 
-    _log_y(ax_abs)
+    log_y(ax_abs)
     ax_abs.set_ylabel("RSS MiB")
     ax_abs.set_title("RSS per process (solid: gated Serve processes)")
     ax_rel.set_ylabel("% vs baseline after warm-up")
@@ -911,7 +845,7 @@ def plot(data: dict[str, Any], out: Path) -> Path:
     handles, names = ax_abs.get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=4, fontsize=7, title="RSS per process (flat within tolerance after warm-up?)",
                title_fontsize=8)
-    fig.suptitle(f"Soak: {o['minutes']:g} minutes, {'PASS' if a['pass'] else 'FAIL'}\n" + _title(data), fontsize=10)
+    fig.suptitle(f"Soak: {o['minutes']:g} minutes, {'PASS' if a['pass'] else 'FAIL'}\n" + run_title(data), fontsize=10)
     fig.tight_layout(rect=(0, 0.13, 1, 1))
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -1040,7 +974,7 @@ def _stop_leftovers(pids: set[int]) -> None:
     for pid in pids:
         try:
             proc = psutil.Process(pid)
-            if _cmd_name(proc) == "haproxy":
+            if cmd_name(proc) == "haproxy":
                 progress(f"stopping leftover haproxy {pid}")
                 proc.terminate()
         except psutil.Error:

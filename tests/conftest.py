@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.harness.net import free_port
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local test cluster: no token auth
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -128,12 +129,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         f"memory in use on this machine: peak {_memory.peak / gib:.1f} GiB of {_memory.total / gib:.1f} GiB "
         f"(at start {_memory.baseline / gib:.1f} GiB), during {_memory.peak_test}"
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from serve_app.errors import clean_loc
-from serve_app.testing.payloads import MINIMAL_WEATHER_TOOLS
+from tests.harness.payloads import MINIMAL_WEATHER_TOOLS
 
 PROMPT = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
 MESSAGES = [{"role": "user", "content": "Hi"}]

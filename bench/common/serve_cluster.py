@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,9 @@ from pathlib import Path
 from typing import Any, Callable, Coroutine, NoReturn
 
 from bench.common.paths import REPO
+from bench.common.ray_internals import haproxy_replicas_up
 from bench.common.servers import kill_group
+from tests.harness.metrics import session_outcomes as session_outcomes  # re-exported for the benches
 
 APP_NAME = "serve_app"
 COLOCATE = ["render", "plain_derender"]  # AppArgs.colocate_in_ingress of the colocated configurations
@@ -30,18 +31,6 @@ def make_run_env() -> dict[str, str]:
 
     line = next(ln for ln in (REPO / "Makefile").read_text().splitlines() if ln.startswith("SERVE_ENV :="))
     return dict(kv.split("=", 1) for kv in shlex.split(line.split(":=", 1)[1]))
-
-
-def session_outcomes(metrics_text: str) -> dict[str, float]:
-    """Parser-derender chunks by session-cache outcome (hit, miss, new, none), summed over the Ingress
-    replicas, from the app's ``/metrics`` text (the Ingress counts them whichever replica parsed)."""
-    out: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        if line.startswith("serve_app_parser_session_chunks_total{"):
-            labels, value = line.split("{", 1)[1].rsplit("} ", 1)
-            outcome = labels.split('outcome="', 1)[1].split('"', 1)[0]
-            out[outcome] = out.get(outcome, 0.0) + float(value)
-    return out
 
 
 def shipped_colocate() -> list[str]:
@@ -91,31 +80,6 @@ def replica_counts(app_name: str = APP_NAME) -> dict[str, int] | None:
         return None
 
 
-def haproxy_replicas_up() -> int:
-    """Ingress replicas HAProxy has marked UP (until then it answers through its fallback Serve proxy)."""
-    import glob
-
-    from ray.serve._private.constants import RAY_SERVE_HAPROXY_SOCKET_PATH
-    from ray.serve._private.haproxy import HAProxyApi
-
-    best = 0
-    for sock_path in glob.glob(os.path.join(os.path.dirname(RAY_SERVE_HAPROXY_SOCKET_PATH), "*", "admin.sock")):
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
-                client.settimeout(5.0)
-                client.connect(sock_path)
-                client.sendall(b"show stat\n")
-                data = b""
-                while chunk := client.recv(65536):
-                    data += chunk
-        except OSError:
-            continue  # a stale socket from an earlier run
-        stats = HAProxyApi._parse_haproxy_csv_stats(data.decode(errors="replace"))
-        up = sum(1 for servers in stats.values() for name, srv in servers.items() if name.startswith("SERVE_REPLICA") and srv.is_up)
-        best = max(best, up)
-    return best
-
-
 async def wait_haproxy_up(want: int, timeout: float = 60) -> int:
     """Wait (at most ``timeout`` s) until HAProxy has ``want`` replicas UP; returns how many it has."""
     deadline = time.monotonic() + timeout
@@ -145,21 +109,6 @@ def handle_call(deployment: str, method: str, *args: Any, app_name: str = APP_NA
         return await getattr(handle, method).remote(*args)
 
     return asyncio.run_coroutine_threadsafe(call(), _HANDLE_LOOP).result(timeout=timeout)
-
-
-def direct_ingress_ports(app_name: str = APP_NAME) -> list[int]:
-    """HTTP ports the ingress replicas listen on themselves (direct ingress / HAProxy modes)."""
-    import ray
-    from ray.serve._private.common import RequestProtocol
-    from ray.serve.context import _get_global_client
-
-    controller = _get_global_client()._controller
-    groups = ray.get(controller.get_target_groups.remote(app_name, from_proxy_manager=True))
-    ports = []
-    for group in groups:
-        if group.protocol == RequestProtocol.HTTP:
-            ports += [t.port for t in group.targets]
-    return sorted(set(ports))
 
 
 def run_worker(cfg_json: str, main: Callable[[dict[str, Any]], Coroutine[Any, Any, dict[str, Any]]],

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,12 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common.paths import LOGS
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.harness.net import free_port as free_port  # re-exported: the benches take it from here
 
 
 async def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, ok_in_a_row: int = 1) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve_app.testing.payloads import UNTYPED_WEATHER_TOOLS as TOOLS
+from tests.harness.payloads import UNTYPED_WEATHER_TOOLS as TOOLS
 
 MODEL = "qwen3-tiny"
 

@@ -12,10 +12,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve_app.testing.payloads import SERVER_TIME_TOOL as NO_PARAMS
-from serve_app.testing.payloads import TRANSLATE_TOOL as TRANSLATE
-from serve_app.testing.payloads import WEATHER_AND_SEARCH_TOOLS as TOOLS
-from serve_app.testing.payloads import WEATHER_BY_LOCATION_TOOL as WEATHER
+from tests.harness.payloads import SERVER_TIME_TOOL as NO_PARAMS
+from tests.harness.payloads import TRANSLATE_TOOL as TRANSLATE
+from tests.harness.payloads import WEATHER_AND_SEARCH_TOOLS as TOOLS
+from tests.harness.payloads import WEATHER_BY_LOCATION_TOOL as WEATHER
 
 __all__ = ["Case", "ModelSpec", "MODELS", "cases_for"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve_app.testing.payloads import WEATHER_AND_DOCS_TOOLS as TOOLS
+from tests.harness.payloads import WEATHER_AND_DOCS_TOOLS as TOOLS
 
 __all__ = ["CALLS", "CONTENTS", "REASONINGS", "TOOLS", "CallSpec", "OutputFormat", "mistral_tools_model", "qwen3_preopen_template"]
 

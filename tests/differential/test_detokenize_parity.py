@@ -20,6 +20,7 @@ import random
 import pytest
 
 from tests.differential.test_plain_derender_parity import Pair
+from tests.harness.derender_stream import carry_state, split, token_chunks
 
 MAX_PENDING = 8  # serve_app.derender.detokenize._MAX_PENDING
 
@@ -94,19 +95,16 @@ def _chunk(ids: list[int], last: bool) -> dict:
 def _stream(call, ids: list[int], size: int, prompt: list[int], state: dict | None = None, start: int = 0):
     """Stream ``ids[start:]`` in chunks of ``size`` through ``call``; returns (texts, states)."""
     texts, states = [], []
-    for i in range(start, len(ids), size):
-        body = {
-            "stream": True,
-            "generate_chunk": _chunk(ids[i : i + size], i + size >= len(ids)),
-            "prompt_token_ids": prompt,
-            "completion_request": {"prompt": "p"},
-            "stream_state": state,
-        }
+
+    def post(body: dict) -> dict:
         status, out = call("completion", body)
         assert status == 200, out
-        state = out["stream_state"]
+        return out
+
+    parts = token_chunks(split(ids[start:], size), finish_reason="length")
+    for out in carry_state(post, parts, state, prompt_token_ids=prompt, completion_request={"prompt": "p"}):
         texts.append(out["chunk"]["choices"][0]["text"])
-        states.append(state)
+        states.append(out["stream_state"])
     return texts, states
 
 

@@ -29,6 +29,7 @@ import pytest
 
 from serve_app.config import AppArgs
 from tests.differential.coupled_oracle import CoupledOracle, ScriptedChoice
+from tests.harness.derender_stream import carry_state, token_chunks
 
 FAMILIES = ("qwen3-tiny", "deepseek-v4", "mistral-sp")
 # Markerless texts whose last token is ordinary punctuation, CJK, or an emoji (byte-level pieces in
@@ -118,16 +119,10 @@ def our_chat(s: Side, req: dict, prompt: list[int], f: Finish, chunking: str | N
         }
         (choice,) = json.loads(s.chat_service.chat(json.dumps(body).encode()))["choices"]
         return choice["message"]["content"] or "", choice["finish_reason"], choice["stop_reason"]
-    state, text, last = None, [], None
-    parts = chunks(f.ids, chunking)
-    for n, part in enumerate(parts):
-        final = n == len(parts) - 1
-        choice = {"index": 0, "token_ids": part, "finish_reason": f.finish_reason if final else None,
-                  "stop_reason": f.stop_reason if final else None}
-        body = {"stream": True, "generate_chunk": {"request_id": "r", "choices": [choice]}, "stream_state": state,
-                "chat_request": req, "prompt_token_ids": prompt}
-        out = json.loads(s.chat_service.chat(json.dumps(body).encode()))
-        state = out["stream_state"]
+    text, last = [], None
+    parts = token_chunks(chunks(f.ids, chunking), finish_reason=f.finish_reason, stop_reason=f.stop_reason)
+    for out in carry_state(lambda body: json.loads(s.chat_service.chat(json.dumps(body).encode())), parts,
+                           chat_request=req, prompt_token_ids=prompt):
         (last,) = out["chunk"]["choices"]
         text.append(last["delta"].get("content") or "")
     return "".join(text), last["finish_reason"], last["stop_reason"]
@@ -139,16 +134,10 @@ def our_completion(s: Side, req: dict, prompt: list[int], f: Finish, chunking: s
                                                "stop_reason": f.stop_reason}]}
         body = {"generate_responses": [gen], "completion_request": req, "prompt_token_ids": [prompt]}
         return json.loads(s.plain.completion(json.dumps(body).encode()))["choices"][0]["text"]
-    state, text = None, []
-    parts = chunks(f.ids, chunking)
-    for n, part in enumerate(parts):
-        final = n == len(parts) - 1
-        choice = {"index": 0, "token_ids": part, "finish_reason": f.finish_reason if final else None,
-                  "stop_reason": f.stop_reason if final else None}
-        body = {"stream": True, "generate_chunk": {"request_id": "r", "choices": [choice]}, "stream_state": state,
-                "completion_request": req, "prompt_token_ids": prompt}
-        out = json.loads(s.plain.completion(json.dumps(body).encode()))
-        state = out["stream_state"]
+    text = []
+    parts = token_chunks(chunks(f.ids, chunking), finish_reason=f.finish_reason, stop_reason=f.stop_reason)
+    for out in carry_state(lambda body: json.loads(s.plain.completion(json.dumps(body).encode())), parts,
+                           completion_request=req, prompt_token_ids=prompt):
         text.append(out["chunk"]["choices"][0]["text"])
     return "".join(text)
 
@@ -273,14 +262,9 @@ def test_stop_token_alone_in_the_final_chunk_and_inside_it(s: Side):
     for steps in ([*([t] for t in ids), [s.eos]], [*([t] for t in ids[:-2]), [*ids[-2:], s.eos]]):
         result = s.coupled.run({**req, "stream": True}, [ScriptedChoice(f.ids, "stop", None, steps)])
         want = "".join(e["choices"][0]["delta"].get("content") or "" for e in result.events if e["choices"])
-        state, got = None, []
-        for n, part in enumerate(steps):
-            final = n == len(steps) - 1
-            choice = {"index": 0, "token_ids": part, "finish_reason": "stop" if final else None}
-            body = {"stream": True, "generate_chunk": {"request_id": "r", "choices": [choice]}, "stream_state": state,
-                    "chat_request": req, "prompt_token_ids": result.prompt_token_ids}
-            out = json.loads(s.chat_service.chat(json.dumps(body).encode()))
-            state = out["stream_state"]
+        got = []
+        for out in carry_state(lambda body: json.loads(s.chat_service.chat(json.dumps(body).encode())), token_chunks(steps),
+                               chat_request=req, prompt_token_ids=result.prompt_token_ids):
             got.append(out["chunk"]["choices"][0]["delta"].get("content") or "")
         assert "".join(got) == want
         assert s.reencode(want) == ids

@@ -15,8 +15,8 @@ from functools import cache
 import openai
 import pytest
 
-from serve_app.testing.payloads import WEATHER_AND_TIME_TOOLS as TOOLS
 from serve_app.testing.scripted import SCRIPT_KEY
+from tests.harness.payloads import WEATHER_AND_TIME_TOOLS as TOOLS
 
 MESSAGES = [{"role": "user", "content": "What's the weather in Paris? Answer briefly."}]
 

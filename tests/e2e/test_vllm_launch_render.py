@@ -11,7 +11,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import BUILTINS, free_port
+from tests.conftest import BUILTINS
+from tests.harness.net import free_port
 
 
 @pytest.mark.parametrize("name", BUILTINS)

@@ -7,6 +7,7 @@ import httpx
 from ray import serve
 from transformers import AutoTokenizer
 
+from tests.harness.metrics import session_outcomes as outcomes_in
 from tests.integration.test_parser_derender import CHAT_REQUEST, OUTPUT, _normalize, _stream_http
 
 MESSAGES = [{"role": "user", "content": "Hi there 🦜"}]
@@ -48,15 +49,7 @@ def test_colocated_stages_stay_deployed_for_handle_callers(colocated_app_url):
 
 def session_outcomes(base_url: str) -> dict[str, float]:
     """The Ingress's parser-session counters by outcome, from /metrics."""
-    text = httpx.get(base_url + "/metrics", timeout=30).text
-    prefix = "serve_app_parser_session_chunks_total{"
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(prefix):
-            labels, value = line[len(prefix) :].rsplit("} ", 1)
-            outcome = next(part.split("=")[1].strip('"') for part in labels.split(",") if part.startswith("outcome="))
-            out[outcome] = out.get(outcome, 0.0) + float(value)
-    return out
+    return outcomes_in(httpx.get(base_url + "/metrics", timeout=30).text)
 
 
 def parser_derender_chunks(app_name: str) -> dict[str, int]:

@@ -6,6 +6,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from tests.harness.derender_stream import carry_state, split, token_chunks
+
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 
 
@@ -49,16 +51,12 @@ class TestPlainChat:
 
     def test_streaming_one_token_per_chunk_equals_non_streaming(self, plain, mistral):
         ids = mistral.encode("Parrots 🦜 and 日本語", add_special_tokens=False)
-        state, text, roles = None, [], []
-        for n, tid in enumerate(ids):
-            chunk = {
-                "request_id": "g",
-                "choices": [{"index": 0, "token_ids": [tid], "finish_reason": "stop" if n == len(ids) - 1 else None}],
-            }
-            out = plain.post(
-                "/v1/chat/completions/derender",
-                json={"stream": True, "generate_chunk": chunk, "stream_state": state, "prompt_token_ids": [1, 733]},
-            ).json()
+        text, roles, state = [], [], None
+
+        def post(body: dict) -> dict:
+            return plain.post("/v1/chat/completions/derender", json=body).json()
+
+        for out in carry_state(post, token_chunks(split(ids), "g"), prompt_token_ids=[1, 733]):
             state = out["stream_state"]
             delta = out["chunk"]["choices"][0]["delta"]
             roles.append(delta["role"])

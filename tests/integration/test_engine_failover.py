@@ -18,7 +18,8 @@ from collections.abc import Iterator
 import pytest
 from transformers import AutoTokenizer
 
-from serve_app.testing.failover import (
+from tests.conftest import SERVE_HTTP_PORT
+from tests.harness.failover import (
     APP,
     KINDS,
     app_config,
@@ -29,7 +30,6 @@ from serve_app.testing.failover import (
     run_request,
     wait_engines,
 )
-from tests.conftest import SERVE_HTTP_PORT
 
 
 def _running() -> dict[str, int | None]:

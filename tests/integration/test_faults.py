@@ -24,6 +24,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import CPU_ENGINE, QWEN3_PARSER_ARGS, SCRIPTED_LOGITS_PROCESSOR, SERVE_HTTP_PORT
+from tests.harness.derender_stream import carry_state, split, token_chunks
 from tests.integration.test_parser_derender import CHAT_REQUEST, OUTPUT, _chunk_body
 
 APP = "faults"
@@ -180,16 +181,20 @@ def _parser_stream(
     base: str, rid: str, prompt: list[int], output: list[int], on_chunk=None, headers: dict | None = None
 ) -> tuple[list[dict], int]:
     """One parser-derender stream over HTTP, one token per chunk, each 503 retried with the same chunk."""
-    chunks, state, unavailable = [], None, 0
+    chunks, unavailable = [], 0
     with httpx.Client(base_url=base, timeout=60, headers=headers) as c:
-        for i, tid in enumerate(output):
+
+        def post(body: dict) -> dict:
+            nonlocal unavailable
             if on_chunk is not None:
-                on_chunk(i)
-            r, n = _post_retrying(c, "/v1/chat/completions/derender", _chunk_body(rid, [tid], i == len(output) - 1, state, prompt))
+                on_chunk(len(chunks))  # the index of the chunk about to be sent
+            r, n = _post_retrying(c, "/v1/chat/completions/derender", body)
             assert r.status_code == 200, r.text
             unavailable += n
-            state = r.json()["stream_state"]
-            chunks.append(_normalize(r.json()["chunk"]))
+            return r.json()
+
+        for data in carry_state(post, token_chunks(split(output), rid), chat_request=CHAT_REQUEST, prompt_token_ids=prompt):
+            chunks.append(_normalize(data["chunk"]))
     return chunks, unavailable
 
 

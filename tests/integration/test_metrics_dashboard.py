@@ -33,6 +33,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.harness.derender_stream import carry_state, token_chunks
+
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "serve_app.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
@@ -124,19 +126,14 @@ def scrape(engine_app_url: str, baseline: str) -> str:
     chat = {"messages": [{"role": "user", "content": "Hi"}]}
     with httpx.Client(base_url=engine_app_url, timeout=120) as c:
         prompt = c.post("/v1/chat/completions/render", json=chat).json()["token_ids"]
-        state = None
-        for i, ids in enumerate([[9707], [1879], [151645]]):  # "Hello", " world", <|im_end|>: new, hit, hit
-            choice = {"index": 0, "token_ids": ids, "finish_reason": "stop" if i == 2 else None}
-            body = {
-                "stream": True,
-                "generate_chunk": {"request_id": "dash", "choices": [choice]},
-                "stream_state": state,
-                "chat_request": chat,
-                "prompt_token_ids": prompt,
-            }
+
+        def post(body: dict) -> dict:
             r = c.post("/v1/chat/completions/derender", json=body)
             assert r.status_code == 200, r.text
-            state = r.json()["stream_state"]
+            return r.json()
+
+        parts = token_chunks([[9707], [1879], [151645]], "dash")  # "Hello", " world", <|im_end|>: new, hit, hit
+        list(carry_state(post, parts, chat_request=chat, prompt_token_ids=prompt))
         assert c.get("/no/such/route").status_code == 404
         for path, body in (("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "Hi"})):
             r = c.post(path, json={**body, "max_tokens": 8, "stream": True})

@@ -1,7 +1,7 @@
 """Multi-node autoscaling on one machine (issue 14): the graph on a local cluster that Ray's own autoscaler
 grows and shrinks (fake multi-node provider), placed by tier resource as ``configs/gpu-layout.yaml``.
 
-The scenario (``serve_app/testing/cluster_scenario.py``) runs as its own driver process: this session may
+The scenario (``tests/harness/cluster_scenario.py``) runs as its own driver process: this session may
 already have its own Ray initialised in-process. It starts an isolated cluster (head, one ``cpu_tier``
 node of 2 CPUs, one ``engine_node`` node; a second ``cpu_tier`` node only when needed), deploys the app
 with ParserDerender and PlainDerender autoscaled (1-2 each), ramps parser and plain derender HTTP
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from serve_app.testing.cluster_scenario import SCALED, run_in_subprocess
+from tests.harness.cluster_scenario import SCALED, run_in_subprocess
 
 pytestmark = pytest.mark.timeout(1200)  # the scenario has 15 minutes, then its teardown
 

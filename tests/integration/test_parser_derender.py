@@ -13,8 +13,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from serve_app.testing.payloads import MINIMAL_WEATHER_TOOLS as TOOLS
 from tests.conftest import deploy_app
+from tests.harness.derender_stream import carry_state, split, token_chunks
+from tests.harness.payloads import MINIMAL_WEATHER_TOOLS as TOOLS
 
 CHAT_REQUEST = {"messages": [{"role": "user", "content": "Weather in Paris and Tokyo?"}], "tools": TOOLS}
 OUTPUT = (
@@ -85,16 +86,15 @@ def _normalize(chunk: dict) -> dict:
 def _stream_http(
     base_url: str, request_id: str, prompt: list[int], output: list[int], step: int = 1, headers: dict | None = None
 ) -> list[dict]:
-    chunks, state = [], None
     with httpx.Client(base_url=base_url, timeout=60, headers=headers) as c:
-        for i in range(0, len(output), step):
-            ids = output[i : i + step]
-            r = c.post("/v1/chat/completions/derender", json=_chunk_body(request_id, ids, i + step >= len(output), state, prompt))
+
+        def post(body: dict) -> dict:
+            r = c.post("/v1/chat/completions/derender", json=body)
             assert r.status_code == 200, r.text
-            data = r.json()
-            state = data["stream_state"]
-            chunks.append(data["chunk"])
-    return chunks
+            return r.json()
+
+        parts = token_chunks(split(output, step), request_id)
+        return [data["chunk"] for data in carry_state(post, parts, chat_request=CHAT_REQUEST, prompt_token_ids=prompt)]
 
 
 def _joined(chunks: list[dict]) -> dict:

@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from serve_app.testing.cluster import FAKE_HEAD_NODE_ID, STATE_FILE, LocalAutoscalingCluster, node_type_of, teardown_cluster
-from serve_app.testing.cluster_scenario import CPU_TIER_DEPLOYMENTS, NODE_TYPES, SCALED, Options, app_args
+from tests.harness.cluster import FAKE_HEAD_NODE_ID, STATE_FILE, LocalAutoscalingCluster, node_type_of, teardown_cluster
+from tests.harness.cluster_scenario import CPU_TIER_DEPLOYMENTS, NODE_TYPES, SCALED, Options, app_args
 
 
 @pytest.fixture

@@ -13,7 +13,8 @@ from transformers import AutoTokenizer
 from serve_app.config import AppArgs
 from serve_app.derender.parser import build_parser_service
 from serve_app.errors import ApiError
-from serve_app.testing.payloads import MINIMAL_WEATHER_TOOLS as TOOLS
+from tests.harness.derender_stream import carry_state, split, token_chunks
+from tests.harness.payloads import MINIMAL_WEATHER_TOOLS as TOOLS
 
 CHAT_REQUEST = {"messages": [{"role": "user", "content": "Weather in Paris and Rome?"}], "tools": TOOLS}
 OUTPUT = (
@@ -67,13 +68,16 @@ def _chunk(prompt, ids, state, last=False, chat_request=CHAT_REQUEST, **choice):
 
 def _stream(service, prompt, output, step=1, chat_request=CHAT_REQUEST, finish=True):
     chunks, outcomes, state = [], [], None
-    for i in range(0, len(output), step):
-        last = finish and i + step >= len(output)
-        out, outcome = service.chat_with_outcome(_chunk(prompt, output[i : i + step], state, last, chat_request))
-        data = json.loads(out)
+
+    def post(body):
+        out, outcome = service.chat_with_outcome(body)
+        outcomes.append(outcome)
+        return json.loads(out)
+
+    parts = token_chunks(split(output, step), "s", "stop" if finish else None)
+    for data in carry_state(post, parts, chat_request=chat_request, prompt_token_ids=prompt):
         state = data["stream_state"]
         chunks.append(data["chunk"])
-        outcomes.append(outcome)
     return chunks, outcomes, state
 
 

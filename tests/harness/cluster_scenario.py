@@ -1,9 +1,9 @@
 """Multi-node autoscaling, proved on one machine: the app on a local cluster grown and shrunk by Ray's autoscaler.
 
-    python -m serve_app.testing.cluster_scenario --json out.json                  # the test's short ramp
-    python -m serve_app.testing.cluster_scenario --json out.json --profile bench  # bench/cluster_bench.py's
+    python -m tests.harness.cluster_scenario --json out.json                  # the test's short ramp
+    python -m tests.harness.cluster_scenario --json out.json --profile bench  # bench/cluster_bench.py's
 
-One driver process (this module) starts a :class:`~serve_app.testing.cluster.LocalAutoscalingCluster`
+One driver process (this module) starts a :class:`~tests.harness.cluster.LocalAutoscalingCluster`
 laid out as ``configs/gpu-layout.yaml`` places the graph: a head (Serve's controller and HTTP proxy,
 ``proxy_location: HeadOnly``, no tier resource), ``cpu_tier`` nodes (``{"CPU": 2, "cpu_tier": 1}``,
 1 to 2 of them) for Ingress, Render, PlainDerender and ParserDerender, each replica asking
@@ -41,12 +41,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from serve_app.testing.cluster import LocalAutoscalingCluster, NodeType, cluster_processes, free_port, node_type_of, teardown_cluster
-from serve_app.testing.payloads import MINIMAL_WEATHER_TOOLS
+from tests.harness.cluster import LocalAutoscalingCluster, NodeType, cluster_processes, node_type_of, teardown_cluster
+from tests.harness.derender_stream import chunk, stream_body
+from tests.harness.metrics import session_outcomes
+from tests.harness.net import free_port
+from tests.harness.payloads import MINIMAL_WEATHER_TOOLS
 
 __all__ = ["NODE_TYPES", "PROFILES", "Options", "app_args", "main", "run"]
 
 APP = "serve_app"
+_REPO = Path(__file__).resolve().parents[2]
 CPU_TIER_DEPLOYMENTS = ("Ingress", "Render", "PlainDerender", "ParserDerender")
 SCALED = ("ParserDerender", "PlainDerender")
 NODE_TYPES = {
@@ -311,14 +315,9 @@ class Load:
         self._session: Any = None
 
     def _body(self, kind: str, rid: str, ids: list[int], last: bool, state: Any) -> bytes:
-        choice = {"index": 0, "token_ids": ids, "finish_reason": ("stop" if kind == "parser" else "length") if last else None}
-        body: dict[str, Any] = {"stream": True, "generate_chunk": {"request_id": rid, "choices": [choice]}, "stream_state": state,
-                                "prompt_token_ids": self.prompt}
-        if kind == "parser":
-            body["chat_request"] = CHAT_REQUEST
-        else:
-            body["prompt_tokens"] = len(self.prompt)
-        return json.dumps(body).encode()
+        generate_chunk = chunk(ids, rid, finish_reason=("stop" if kind == "parser" else "length") if last else None)
+        fields = {"chat_request": CHAT_REQUEST} if kind == "parser" else {"prompt_tokens": len(self.prompt)}
+        return json.dumps(stream_body(generate_chunk, state, prompt_token_ids=self.prompt, **fields)).encode()
 
     async def stream(self, kind: str, rid: str) -> dict[str, Any]:
         """One whole stream; its record: when, how many chunks, identical to the unloaded run or why not."""
@@ -452,16 +451,9 @@ def _session_outcomes(base: str) -> dict[str, float] | None:
     """ParserDerender chunks by session-cache outcome (hit: its live parser; miss: a replay of the carried
     state on a replica that had none, e.g. after the hash ring changed with the replicas; new: a stream's first)."""
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        counts: dict[str, float] = {}
-        for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text):
-            for s in family.samples:
-                if s.name == "serve_app_parser_session_chunks_total":
-                    outcome = s.labels.get("outcome", "?")
-                    counts[outcome] = counts.get(outcome, 0.0) + s.value
-        return counts
+        return session_outcomes(httpx.get(base + "/metrics", timeout=30).text)
     except Exception:  # noqa: BLE001 - informational
         return None
 
@@ -663,7 +655,7 @@ def run(opts: Options, out_path: Path, logs_dir: Path | None = None) -> dict[str
 def run_in_subprocess(
     out: Path, *args: str, timeout_s: float = 900, log: Path | None = None
 ) -> tuple[dict[str, Any], dict[str, Any] | None, int | None]:
-    """The scenario as its own driver process (``python -m serve_app.testing.cluster_scenario --json out
+    """The scenario as its own driver process (``python -m tests.harness.cluster_scenario --json out
     *args``), so that no Ray already initialised in the caller is in the way. Returns its JSON, the
     safety net's teardown report and its exit status (None: stopped at ``timeout_s``).
 
@@ -673,11 +665,12 @@ def run_in_subprocess(
     """
     import subprocess
 
-    argv = [sys.executable, "-m", "serve_app.testing.cluster_scenario", "--json", str(out), *args]
+    # ``-m`` from the repository root: the driver imports tests.harness as this process does.
+    argv = [sys.executable, "-m", "tests.harness.cluster_scenario", "--json", str(out.resolve()), *args]
     log = log or out.with_suffix(".log")
     rc: int | None
     with log.open("wb") as fh:
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, cwd=_REPO)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

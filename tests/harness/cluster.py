@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.harness.net import free_port
+
 __all__ = [
     "FAKE_HEAD_NODE_ID",
     "HEAD_TYPE",
@@ -47,7 +48,6 @@ __all__ = [
     "NodeType",
     "TeardownReport",
     "cluster_processes",
-    "free_port",
     "node_type_of",
     "teardown_cluster",
 ]
@@ -56,12 +56,6 @@ HEAD_TYPE = "ray.head.default"
 FAKE_HEAD_NODE_ID = "f" * 51 + "00000"  # ray start --head under RAY_FAKE_CLUSTER=1 takes this node id
 STATE_FILE = "serve_app_cluster.json"  # in the temp dir: what teardown from another process needs
 _STANDARD_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
