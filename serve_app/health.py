@@ -58,17 +58,27 @@ class DeploymentHealth:
 
 
 def fetch_serve_status(app_name: str) -> dict[str, DeploymentHealth] | None:
-    """The application's deployments as the controller sees them (``None``: not deployed). Blocking."""
-    from ray import serve
+    """The application's deployments as the controller sees them (``None``: not deployed). Blocking.
 
-    app = serve.status().applications.get(app_name)
+    Read from the controller's instance details as it sends them, a plain dict: ``serve.status()``
+    validates them into pydantic models first, which cloudpickles every deployment's request router
+    class, ~0.2 s of CPU a call; at one call a second that was a fifth of a core per Ingress replica
+    (bench/results/composed.md)."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    app = (client.get_serve_details().get("applications") or {}).get(app_name) if client is not None else None
     if app is None:
         return None
     return {
-        # Serve's states are str Enums: `.value` is the bare name ("HEALTHY"), str() is not.
-        name: DeploymentHealth(getattr(d.status, "value", str(d.status)), int(d.replica_states.get("RUNNING", 0)))
-        for name, d in app.deployments.items()
+        name: DeploymentHealth(_state(d.get("status")), sum(_state(r.get("state")) == "RUNNING" for r in d.get("replicas") or ()))
+        for name, d in (app.get("deployments") or {}).items()
     }
+
+
+def _state(value: Any) -> str:
+    """Serve's states are str Enums: ``.value`` is the bare name ("HEALTHY"), str() is not."""
+    return str(getattr(value, "value", value))
 
 
 class StageHealth:

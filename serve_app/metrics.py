@@ -181,13 +181,13 @@ class HttpMetrics:
         chunks and the in-band error carry none)."""
         route = _template(scope)
         last = scope.get(_START) or time.perf_counter()
-        histogram = self.ttft
+        histogram, itl = self.ttft.labels(route), self.itl.labels(route)  # looked up once, not per token
         try:
             async for chunk in chunks:
                 if chunk.get("choices"):
                     now = time.perf_counter()
-                    histogram.labels(route).observe(now - last)
-                    histogram, last = self.itl, now
+                    histogram.observe(now - last)
+                    histogram, last = itl, now
                 yield chunk
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]

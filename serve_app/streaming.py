@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -26,12 +27,53 @@ def sse_frame(obj: Any) -> bytes:
     return b"data: " + dump_json(obj) + b"\n\n"
 
 
+_ERROR_FRAME = b'data: {"error"'
+
+
 async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-    """Chunk dicts as vLLM's SSE body: one frame each, then ``[DONE]``; closing it closes ``chunks``."""
+    """Chunk dicts as vLLM's SSE body: one frame each, then ``[DONE]``; closing it closes ``chunks``.
+
+    ``chunks`` is read ahead in a task while the body is written: the frames made meanwhile (a busy
+    replica, engine chunks arriving together) go out as one body write instead of one each, so each
+    write's cost (ASGI middlewares, the socket, HAProxy) is paid per batch, not per token. The client
+    reads the same events in the same order. An in-band error frame is written on its own, as the
+    metrics middleware reads it at the start of a write.
+    """
+    frames: list[bytes] = []
+    ready = asyncio.Event()
+    failed: list[BaseException] = []
+    finished = False
+
+    async def read_ahead() -> None:
+        nonlocal finished
+        try:
+            async for chunk in chunks:
+                frames.append(sse_frame(chunk))
+                ready.set()
+        except Exception as exc:  # noqa: BLE001 - raised to the writer below
+            failed.append(exc)
+        finally:
+            finished = True
+            ready.set()
+
+    reader = asyncio.create_task(read_ahead())
     try:
-        async for chunk in chunks:
-            yield sse_frame(chunk)
+        while not (finished and not frames):
+            await ready.wait()
+            ready.clear()
+            if not frames:
+                continue
+            batch = frames[:]
+            frames.clear()
+            if len(batch) > 1 and batch[-1].startswith(_ERROR_FRAME):
+                yield b"".join(batch[:-1])
+                batch = batch[-1:]
+            yield batch[0] if len(batch) == 1 else b"".join(batch)
+        if failed:
+            raise failed[0]
     finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
         await chunks.aclose()  # type: ignore[attr-defined]
     yield SSE_DONE
 

