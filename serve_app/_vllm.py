@@ -28,6 +28,7 @@ __all__ = [
     "engine_config_verdict",
     "engine_metric_families",
     "engine_stat_loggers",
+    "install_prompt_cache",
     "load_chat_template",
     "parse_engine_args",
     "vllm_cli_args",
@@ -177,6 +178,42 @@ async def build_render_state(args: AppArgs, model: ResolvedModel, extra_argv: li
     state = State()
     await init_render_app_state(vllm_config, state, ns)
     return RenderState(state)
+
+
+def install_prompt_cache(state: RenderState, max_bytes: int) -> tuple[Any, str]:
+    """Tokenize chat prompts through :class:`serve_app.render_cache.PrefixTokenizer` (exact, cached by
+    piece) instead of the tokenizer call in vLLM's ``BaseRenderer._tokenize_prompt``, where it is safe
+    for this model's tokenizer and templates. Returns the encoder (``None``: not installed) and why.
+
+    Only what the cache encodes exactly takes it: no special tokens added (chat; completions that ask),
+    no offsets, the ids within the truncation length. Everything else calls vLLM's method as before.
+    """
+    from vllm.utils.async_utils import make_async
+
+    from serve_app.render_cache import PrefixTokenizer
+
+    templates = state.chat_templates()
+    if templates is None:
+        return None, "chat renders without Jinja (Harmony or the model's own renderer)"
+    renderer = state.online_renderer.renderer
+    encoder, reason = PrefixTokenizer.for_tokenizer(renderer.get_tokenizer(), templates, max_bytes)
+    if encoder is None:
+        return None, reason
+    vllm_tokenize = renderer._tokenize_prompt
+
+    def tokenize_prompt(prompt: Any, params: Any) -> Any:
+        kwargs = params.get_encode_kwargs()
+        if kwargs.get("add_special_tokens") is False and not renderer._wants_offsets(prompt, params):
+            ids = encoder.encode(prompt["prompt"])
+            limit = kwargs.get("max_length") if kwargs.get("truncation") else None
+            if limit is None or len(ids) <= limit:  # longer: the tokenizer's own truncation decides
+                return renderer._build_tokens_prompt(ids, prompt)
+        return vllm_tokenize(prompt, params)
+
+    renderer._tokenize_prompt = tokenize_prompt
+    # vLLM bound the async twin to the old method when the renderer was built; rebind it, same executor.
+    renderer._tokenize_prompt_async = make_async(tokenize_prompt, executor=renderer._executor)
+    return encoder, reason
 
 
 async def call_vllm(coro: Any, error_cls: type) -> Any:

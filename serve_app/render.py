@@ -18,9 +18,10 @@ from typing import Any
 
 from ray import serve
 
-from serve_app._vllm import call_vllm
+from serve_app._vllm import call_vllm, install_prompt_cache
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import BadRequestError
+from serve_app.render_cache import DEFAULT_MAX_BYTES
 from serve_app.wire import dump_json, load_body, validate_model
 
 __all__ = ["OPENAI_ROLES", "Render", "RenderService", "check_roles", "template_roles"]
@@ -80,7 +81,7 @@ async def _validated(validate: Any, token_ids: list[int]) -> None:
 class RenderService:
     """Ray-free render core over vLLM's ``ServingRender`` and ``ServingTokenization``."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: Any, cache_bytes: int = DEFAULT_MAX_BYTES) -> None:
         from pydantic import TypeAdapter
         from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -90,6 +91,8 @@ class RenderService:
         from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 
         self.state = state
+        # Prompt pieces shared by a conversation's turns are tokenized once (serve_app/render_cache.py).
+        self.prompt_cache, self.prompt_cache_status = install_prompt_cache(state, cache_bytes)
         templates = state.chat_templates()
         self._roles = template_roles(templates) if templates is not None else None  # None: roles not checked here
         self._error_cls = ErrorResponse
@@ -104,7 +107,7 @@ class RenderService:
     async def create(cls, args: AppArgs, model: ResolvedModel) -> RenderService:
         from serve_app._vllm import build_render_state
 
-        return cls(await build_render_state(args, model))
+        return cls(await build_render_state(args, model), args.render_cache_bytes)
 
     async def _run(self, validator: Any, handler: Any, body: bytes | dict, raw_request: _RawRequest | None) -> Any:
         """Parse, validate and serve one request; every failure leaves as an :class:`ApiError`.
