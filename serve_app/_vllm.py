@@ -28,6 +28,7 @@ __all__ = [
     "engine_config_verdict",
     "engine_metric_families",
     "engine_stat_loggers",
+    "install_prompt_cache",
     "load_chat_template",
     "parse_engine_args",
     "render_request_models",
@@ -200,6 +201,66 @@ async def build_render_state(args: AppArgs, model: ResolvedModel, extra_argv: li
     state = State()
     await init_render_app_state(vllm_config, state, ns)
     return RenderState(state)
+
+
+INLINE_NEW_CHARS = 8192
+"""Most new (uncached) prompt characters tokenized on the event loop (~1 ms); more go to vLLM's thread pool."""
+
+
+def install_prompt_cache(state: RenderState, max_bytes: int) -> tuple[Any, str]:
+    """Tokenize chat prompts through :class:`serve_app.render_cache.PrefixTokenizer` (exact, cached by
+    piece) instead of the tokenizer call in vLLM's ``BaseRenderer._tokenize_prompt``, where it is safe
+    for this model's tokenizer and templates. Returns the encoder (``None``: not installed) and why.
+
+    Only what the cache encodes exactly takes it: no special tokens added (chat; completions that ask),
+    no offsets, the ids within the truncation length. Everything else calls vLLM's method as before.
+    """
+    from vllm.utils.async_utils import make_async
+
+    from serve_app.render_cache import PrefixTokenizer
+
+    templates = state.chat_templates()
+    if templates is None:
+        return None, "chat renders without Jinja (Harmony or the model's own renderer)"
+    renderer = state.online_renderer.renderer
+    encoder, reason = PrefixTokenizer.for_tokenizer(renderer.get_tokenizer(), templates, max_bytes)
+    if encoder is None:
+        return None, reason
+    vllm_tokenize = renderer._tokenize_prompt
+
+    def cacheable(prompt: Any, params: Any) -> int | None:
+        """The truncation length (0: none) if the cache may encode this prompt, else ``None``."""
+        kwargs = params.get_encode_kwargs()
+        if kwargs.get("add_special_tokens") is not False or renderer._wants_offsets(prompt, params):
+            return None
+        if not kwargs.get("truncation"):
+            return 0
+        return kwargs.get("max_length") or None  # truncation without a length: the tokenizer's own default
+
+    def with_ids(prompt: Any, ids: list[int] | None, limit: int) -> Any:
+        # Longer than the truncation length: the tokenizer's own truncation decides (a 400 follows anyway).
+        return None if ids is None or (limit and len(ids) > limit) else renderer._build_tokens_prompt(ids, prompt)
+
+    def tokenize_prompt(prompt: Any, params: Any) -> Any:
+        limit = cacheable(prompt, params)
+        out = None if limit is None else with_ids(prompt, encoder.encode(prompt["prompt"]), limit)
+        return vllm_tokenize(prompt, params) if out is None else out
+
+    in_executor = make_async(tokenize_prompt, executor=renderer._executor)
+
+    async def tokenize_prompt_async(prompt: Any, params: Any) -> Any:
+        # A prompt that is nearly all cached costs less than the hop to vLLM's thread pool: done here.
+        limit = cacheable(prompt, params)
+        if limit is not None:
+            out = with_ids(prompt, encoder.encode_within(prompt["prompt"], INLINE_NEW_CHARS), limit)
+            if out is not None:
+                return out
+        return await in_executor(prompt, params)
+
+    renderer._tokenize_prompt = tokenize_prompt
+    # vLLM bound the async twin to the old method when the renderer was built; it is replaced too.
+    renderer._tokenize_prompt_async = tokenize_prompt_async
+    return encoder, reason
 
 
 async def call_vllm(coro: Any, error_cls: type) -> Any:

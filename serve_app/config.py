@@ -235,6 +235,15 @@ class AppArgs(_Strict):
             "(bench/results/hop.md)."
         ),
     )
+    render_cache_bytes: int = Field(
+        64 * 2**20,
+        ge=0,
+        description=(
+            "Bytes of prompt pieces (text between the chat template's special tokens) and their token ids "
+            "kept per render process (LRU), so a conversation's next turn tokenizes only its new text; the ids "
+            "are exactly the tokenizer's (serve_app/render_cache.py). 0 turns it off."
+        ),
+    )
     limits: RequestLimits = Field(default_factory=RequestLimits)
     parser_sessions: ParserSessionArgs = Field(default_factory=ParserSessionArgs)
     engine: EngineArgs = Field(default_factory=EngineArgs)

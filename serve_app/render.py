@@ -8,7 +8,10 @@ through Ray), the fix for vLLM 0.32 dropping ``max_tokens`` when it equals 16, a
 message whose role the template would silently leave out of the prompt (:func:`check_roles`).
 
 Template application and tokenization, the CPU-heavy part of a big prompt, already run in vLLM's
-renderer thread pool (``make_async`` in ``vllm/renderers``), off this replica's event loop.
+renderer thread pool (``make_async`` in ``vllm/renderers``), off this replica's event loop. Tokenization
+goes through an exact cache of prompt pieces (:mod:`serve_app.render_cache`, ``render_cache_bytes``)
+where the tokenizer allows it: an agent's next turn repeats the previous one's text, and only the new
+text is tokenized (``prompt_cache_status`` says whether it is on, and why not).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from typing import Any
 
 from ray import serve
 
-from serve_app._vllm import call_vllm
+from serve_app._vllm import call_vllm, install_prompt_cache
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import BadRequestError
+from serve_app.render_cache import DEFAULT_MAX_BYTES
 from serve_app.wire import dump_json, load_body, validate_model
 
 __all__ = ["OPENAI_ROLES", "Render", "RenderService", "check_roles", "template_roles"]
@@ -80,10 +84,12 @@ async def _validated(validate: Any, token_ids: list[int]) -> None:
 class RenderService:
     """Ray-free render core over vLLM's ``ServingRender`` and ``ServingTokenization``."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: Any, cache_bytes: int = DEFAULT_MAX_BYTES) -> None:
         from serve_app._vllm import render_request_models
 
         self.state = state
+        # Prompt pieces shared by a conversation's turns are tokenized once (serve_app/render_cache.py).
+        self.prompt_cache, self.prompt_cache_status = install_prompt_cache(state, cache_bytes)
         templates = state.chat_templates()
         self._roles = template_roles(templates) if templates is not None else None  # None: roles not checked here
         models = render_request_models()
@@ -99,7 +105,7 @@ class RenderService:
     async def create(cls, args: AppArgs, model: ResolvedModel) -> RenderService:
         from serve_app._vllm import build_render_state
 
-        return cls(await build_render_state(args, model))
+        return cls(await build_render_state(args, model), args.render_cache_bytes)
 
     async def _run(self, validator: Any, handler: Any, body: bytes | dict, raw_request: _RawRequest | None) -> Any:
         """Parse, validate and serve one request; every failure leaves as an :class:`ApiError`.

