@@ -25,7 +25,7 @@ from serve_app.auth import ApiKeyMiddleware
 from serve_app.compose import ComposedService, InProcess, build_composed, colocated_render_state
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import ApiError, ServiceUnavailableError, envelope, error_body, validation_error
-from serve_app.front_door import BodyDeadlineMiddleware
+from serve_app.front_door import BodyDeadlineMiddleware, hashes_stream_id
 from serve_app.health import StageHealth, routable, routable_replicas
 from serve_app.limits import BodySizeLimitMiddleware
 from serve_app.logs import get_logger
@@ -222,6 +222,9 @@ class Ingress:
                 from serve_app.derender.parser import build_parser_service
 
                 self.local_parser = await build_parser_service(args, model, colocated_render_state(render))
+        # make run's HAProxy hashes every chunk's stream id (front_door.HAPROXY_BALANCE): chunks without
+        # x-session-id then reach this replica again too, so they are parsed here, not sent to ParserDerender.
+        self.front_door_hashes = hashes_stream_id()
         self._replica = serve.get_replica_context()
         self._peers: Any = None  # this deployment's own handle, made at the first scrape (see /metrics)
         self._created = int(time.time())
@@ -322,10 +325,10 @@ class Ingress:
         body = await request.body()
         header_session = request.headers.get("x-session-id")
         session_id = header_session or stream_id(body)
-        if self.local_parser is not None and (header_session or session_id is None):
+        if self.local_parser is not None and (header_session or session_id is None or self.front_door_hashes):
             # Colocated: no hop. A stream's chunks reach this replica again only if the front door
-            # hashes x-session-id (config.py, colocate_in_ingress); if not, they are still right (a
-            # miss replays the carried state), only slower, and /metrics counts the misses.
+            # hashes x-session-id or the body's stream id (config.py, colocate_in_ingress); if not, they are
+            # still right (a miss replays the carried state), only slower, and /metrics counts the misses.
             out, outcome = await self.local_parser.chat_with_outcome_async(body)
             self._count_session(outcome)
             return Response(out, media_type="application/json")
