@@ -104,7 +104,7 @@ def positioned_body(pos: int, output: list[int], prompt: list[int]) -> bytes:
     """The chunk at ``pos`` with the state a client would carry there (vLLM's state fields)."""
     state = {"role_sent": True, "output_token_ids": output[:pos], "output_chunk_lens": [1] * pos}
     state |= {"tools_streamed": False, "last_tool_call_ids": []}
-    return chunk_body(pos, output, state if pos else None, prompt, "positioned")
+    return chunk_body(min(pos, len(output) - 1), output, state if pos else None, prompt, "positioned")
 
 
 def stream(
