@@ -44,6 +44,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# make run's Serve flags, before anything imports Ray (its constants are read at import).
+os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
 os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -215,10 +218,9 @@ def session_outcomes(base: str) -> dict[str, float]:
 def run_ours(w1000: tuple[list[int], list[int]], w4000: tuple[list[int], list[int]]) -> dict[str, Any]:
     from serve_app.front_door import HAPROXY_BALANCE
 
-    # make run's front door, set before Ray starts: Ray's HAProxy and the Ingress replicas read it.
-    os.environ.update(
-        RAY_SERVE_THROUGHPUT_OPTIMIZED="1", RAY_SERVE_ENABLE_HA_PROXY="1", RAY_SERVE_HAPROXY_BALANCE_ALGORITHM=HAPROXY_BALANCE
-    )
+    # make run's front door, set before Ray starts: Ray's HAProxy manager and the Ingress replicas, in
+    # processes of the cluster started below, read it from the environment they inherit.
+    os.environ["RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"] = HAPROXY_BALANCE
     import ray
     from ray import serve
 
