@@ -235,7 +235,7 @@ def run_ours(w1000: tuple[list[int], list[int]], w4000: tuple[list[int], list[in
         app_args = AppArgs(
             **APP,
             colocate_in_ingress=["render", "plain_derender", "parser_derender"],
-            deployments={"ingress": {"num_replicas": 2}, "parser_derender": {"num_replicas": 2}},
+            deployments={"ingress": {"num_replicas": 2}},
         )
         serve.run(build_app(app_args), name="bench", route_prefix="/")
         deadline = time.monotonic() + 180
@@ -385,7 +385,7 @@ def report(data: dict[str, Any]) -> str:
         "",
         f"{m['date_utc']} · {m['cpu']} · {m['logical_cpus']} vCPU · commit {m['git_commit']} · `python -m bench.parser_bench` "
         "(vLLM and ours one after the other in one run). Ours: two Ingress replicas holding render, plain and parser "
-        "derender, ParserDerender x2, engine off, behind Ray's HAProxy with `make run`'s front door "
+        "derender, ParserDerender apart (by handle), engine off, behind Ray's HAProxy with `make run`'s front door "
         "(`serve_app/front_door.py` `HAPROXY_BALANCE`: chunks hashed by `generate_chunk.request_id`). One token per "
         "chunk; the client sends what vLLM's API document shows (stream_state, chat_request, prompt_token_ids).",
         "",

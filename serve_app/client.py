@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from functools import cached_property
 from typing import Any
 
 from serve_app.errors import ApiError
@@ -49,18 +50,40 @@ class ServeAppClient:
     """
 
     def __init__(self, app_name: str = "serve_app") -> None:
-        from ray import serve
-
         self.app_name = app_name
-        self._get = lambda name: serve.get_deployment_handle(name, app_name=app_name)
-        self.render = self._get("Render")
-        self.engine = self._get("Engine")
-        self.plain_derender = self._get("PlainDerender")
-        self.ingress = self._get("Ingress")
-        self._composed_stream = self.ingress.options(stream=True, method_name="composed_chat_stream")
-        self._engine_stream = self.engine.options(stream=True, method_name="generate_stream")
         self._parser: Any = None
         self._has_parser: bool | None = None
+
+    # Each handle is looked up at first use: an application without an Engine (render and derender
+    # only) has no such deployment, and Serve refuses a handle to one that does not exist.
+    def _get(self, name: str) -> Any:
+        from ray import serve
+
+        return serve.get_deployment_handle(name, app_name=self.app_name)
+
+    @cached_property
+    def render(self) -> Any:
+        return self._get("Render")
+
+    @cached_property
+    def engine(self) -> Any:
+        return self._get("Engine")
+
+    @cached_property
+    def plain_derender(self) -> Any:
+        return self._get("PlainDerender")
+
+    @cached_property
+    def ingress(self) -> Any:
+        return self._get("Ingress")
+
+    @cached_property
+    def _composed_stream(self) -> Any:
+        return self.ingress.options(stream=True, method_name="composed_chat_stream")
+
+    @cached_property
+    def _engine_stream(self) -> Any:
+        return self.engine.options(stream=True, method_name="generate_stream")
 
     def _chat_derender(self) -> tuple[Any, bool]:
         if self._has_parser is None:
