@@ -23,16 +23,20 @@ $(STAMP): pyproject.toml
 
 # Ray Serve reads these at start in every Ray process: HAProxy as the front door instead of Serve's
 # Python proxy, gRPC between deployments. Together they cut the per-request cost ~2x (bench/README.md).
-# HAProxy hashes the x-session-id header, so a parser stream's chunks stay on the Ingress replica that
-# holds its live parser (colocate_in_ingress: parser_derender; bench/results/hop.md). Requests without
-# the header are balanced round-robin.
+# HAProxy hashes each parser-stream chunk's generate_chunk.request_id (FRONT_DOOR_BALANCE, from
+# serve_app/front_door.py: HAPROXY_BALANCE), so a stream's chunks stay on the Ingress replica that holds
+# its live parser (colocate_in_ingress: parser_derender), whether or not the client sends x-session-id
+# (bench/results/parser.md). Other requests are balanced round-robin. The value spans three lines of
+# HAProxy's config (Ray writes it verbatim), so it is not in SERVE_ENV's one line of name=value pairs.
 # The front door (docs/operations.md, "Front door"): HAProxy answers 408 and closes a connection whose
 # client stalls 30 s while sending a request (Ray's default: an hour), and Ray's replica HTTP server runs
 # serve_app.front_door's middleware before it decodes any header (400 envelope, not a 500).
-SERVE_ENV := RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_HAPROXY_BALANCE_ALGORITHM='hdr(x-session-id)' RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S=30 RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=serve_app.front_door.middlewares
+SERVE_ENV := RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S=30 RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=serve_app.front_door.middlewares
+
+FRONT_DOOR_BALANCE = RAY_SERVE_HAPROXY_BALANCE_ALGORITHM="$$($(VENV)/bin/python -m serve_app.front_door)"
 
 run: $(STAMP)
-	$(SERVE_ENV) $(VENV)/bin/serve run serve_config.yaml
+	$(SERVE_ENV) $(FRONT_DOOR_BALANCE) $(VENV)/bin/serve run serve_config.yaml
 
 # Lint and types first: seconds, and a failure there needs no cluster to show.
 test: $(STAMP)

@@ -1,64 +1,80 @@
-"""Parser derender benchmark: serve_app's ParserDerender next to vLLM 0.32's ``vllm launch render``.
+"""Parser streams: serve_app as ``make run`` serves them next to vLLM 0.32's ``vllm launch render``,
+with and without the ``x-session-id`` header (issue 21, goal 1).
 
-    flock /tmp/serve_app_heavy.lock .venv/bin/python -m bench.parser_bench
+    flock /tmp/heavy.lock .venv/bin/python -m bench.parser_bench            # profile, vllm, ours, report
+    .venv/bin/python -m bench.parser_bench --parts profile                   # no Ray, no server: no lock
+    flock /tmp/heavy.lock .venv/bin/python -m bench.parser_bench --parts vllm,ours
+    .venv/bin/python -m bench.parser_bench --parts report                    # rewrite .md / .png from .json
 
-Both servers run qwen3-tiny with ``--tool-call-parser hermes --reasoning-parser qwen3
---enable-auto-tool-choice`` on this machine, in one run. The workload is a realistic
-tool-and-reasoning output (a long ``<think>`` block, an answer, then two ``<tool_call>`` blocks, then
-``<|im_end|>``), streamed one token per chunk as the protocol says (each call carries the previous
-response's ``stream_state``, ``chat_request`` and the full ``prompt_token_ids``).
+Both sides run qwen3-tiny with ``--tool-call-parser hermes --reasoning-parser qwen3
+--enable-auto-tool-choice``. The workload is a tool-and-reasoning output (a ``<think>`` block, an
+answer, two ``<tool_call>`` blocks, ``<|im_end|>``) streamed one token per chunk as vLLM's API document
+says: each call carries the previous answer's ``stream_state``, ``chat_request`` and ``prompt_token_ids``,
+``generate_chunk`` first (the field order of vLLM's request model and of the document's example).
 
-* **Ours**, over HTTP through Serve's front door with the settings of ``make run``: one stream of
-  ``--tokens`` chunks (8000 by default). Per-chunk latency by position window; the total of the first
-  1000 and first 4000 chunks (what a 1000- and a 4000-token stream cost); session-cache outcomes
-  read from the ingress's ``/metrics`` (hits, misses); and the ParserDerender replica's cache size.
-* **vLLM**: one call per sampled position (a state carrying that many output tokens, median of
-  ``--reps`` calls), since its per-chunk cost grows with the position (it replays the whole history
-  on every chunk). Totals for 1000 and 4000 tokens are the trapezoid integral of those samples.
-  ``--vllm-full`` also streams the 1000-token case end to end.
-* **Memory**: in this process, the bytes a cached session holds per token (``tracemalloc``), which
-  with the configured ``parser_sessions.max_tokens`` bounds the cache's memory per replica.
+* **vllm**: ``vllm launch render``: one 1000-token stream end to end, 8 concurrent 1000-token streams
+  (chunks/s), and the per-chunk cost at positions 0..4000 (median of 3), whose integral is its
+  4000-token total (it replays the whole history on every chunk: 4000 end to end would take ~4 min).
+  CPU of its process per call at each position.
+* **ours**: in this process, the app as serve_config.yaml lays it out (two Ingress replicas holding
+  render, plain and parser derender; ParserDerender apart), engine off, behind Ray's HAProxy with
+  ``make run``'s front door (``serve_app.front_door.HAPROXY_BALANCE``: chunks hashed by their
+  ``generate_chunk.request_id``). Each case with and without ``x-session-id``: one 1000-token stream,
+  8 concurrent ones, one 4000-token stream; session-cache outcomes from ``/metrics``; CPU (all server
+  processes, /proc) per chunk by stream position on the 4000-token stream.
+* **profile**: the parser service in this process (no Ray, no HTTP): process CPU per chunk by position
+  on a 4000-token stream, and cProfile's top functions at three positions, to show what grows.
 
-``max_model_len`` is raised to 16384 on both sides (``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``): no model
-runs here, only tokenizer and parser work. Results: ``bench/results/parser.md`` and ``.json``.
+Results: ``bench/results/parser.md``, ``parser.json``, ``parser_cpu.png``. Progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# make run's Serve flags, before anything imports Ray (its constants are read at import).
 os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
-os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")  # as `make run`
+os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
 os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import httpx  # noqa: E402
 import orjson  # noqa: E402
 
+from bench.common.cpu import cpu_by_role, proc_cpu  # noqa: E402
 from bench.common.paths import LOGS, REPO, RESULTS  # noqa: E402
 from bench.common.report import machine_info  # noqa: E402
-from bench.common.serve_cluster import haproxy_replicas_up  # noqa: E402
 from bench.common.servers import free_port, kill_group, vllm_render_argv, wait_http_blocking  # noqa: E402
 from bench.common.workloads import CHAT_REQUEST, chat_prompt, joined, tokenizer, tool_reasoning_output  # noqa: E402
 
 MAX_MODEL_LEN = 16384
-APP = dict(
+APP: dict[str, Any] = dict(
     model="qwen3-tiny",
     tool_call_parser="hermes",
     reasoning_parser="qwen3",
     enable_auto_tool_choice=True,
     max_model_len=MAX_MODEL_LEN,
 )
-POSITIONS = [0, 250, 500, 750, 1000, 2000, 3000, 4000]
-WINDOWS = [0, 250, 500, 1000, 2000, 4000, 6000, 7900]
+POSITIONS = [0, 250, 500, 1000, 2000, 3000, 4000]
+WINDOW = 250  # chunks per CPU-by-position window
+CONCURRENT = 8
+SERVER_ROLES = ("Ingress", "ParserDerender", "haproxy", "proxy", "controller", "ray-system", "Render", "PlainDerender")
+
+
+def log(msg: str) -> None:
+    print(f"[parser_bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def workload(tokens: int) -> tuple[list[int], list[int]]:
@@ -68,8 +84,8 @@ def workload(tokens: int) -> tuple[list[int], list[int]]:
 
 
 def chunk_body(i: int, output: list[int], state: Any, prompt: list[int], request_id: str) -> bytes:
-    # The client encodes and decodes with orjson: at 8000 positions the carried state is ~70 KB each
-    # way, and a stdlib-json client would spend ~1 ms per chunk on it (for vLLM and for us alike).
+    # orjson on the client, for vLLM and us alike: a stdlib-json client would spend ~1 ms per chunk on
+    # the carried state late in a long stream.
     last = i == len(output) - 1
     return orjson.dumps(
         {
@@ -80,103 +96,135 @@ def chunk_body(i: int, output: list[int], state: Any, prompt: list[int], request
                 "choices": [{"index": 0, "token_ids": [output[i]], "finish_reason": "stop" if last else None}],
             },
             "stream_state": state,
-            "chat_request": CHAT_REQUEST,
+            "prompt_tokens": len(prompt),
             "prompt_token_ids": prompt,
+            "chat_request": CHAT_REQUEST,
         }
     )
 
 
 def positioned_body(pos: int, output: list[int], prompt: list[int]) -> bytes:
     """The chunk at ``pos`` with the state a client would carry there (vLLM's state fields)."""
-    state = {
-        "role_sent": pos > 0,
-        "output_token_ids": output[:pos],
-        "output_chunk_lens": [1] * pos,
-        "tools_streamed": False,
-        "last_tool_call_ids": [],
-    }
-    return chunk_body(pos, output, state if pos else None, prompt, "positioned")
+    state = {"role_sent": True, "output_token_ids": output[:pos], "output_chunk_lens": [1] * pos}
+    state |= {"tools_streamed": False, "last_tool_call_ids": []}
+    return chunk_body(min(pos, len(output) - 1), output, state if pos else None, prompt, "positioned")
 
 
-def stream(client: httpx.Client, url: str, prompt: list[int], output: list[int], request_id: str) -> tuple[list[float], list[dict]]:
-    lat, chunks, state = [], [], None
-    headers = {"content-type": "application/json"}
-    for i in range(len(output)):
-        body = chunk_body(i, output, state, prompt, request_id)
-        t = time.perf_counter()
-        r = client.post(url, content=body, headers=headers)
-        lat.append(time.perf_counter() - t)
-        if r.status_code != 200:
-            raise RuntimeError(f"chunk {i}: HTTP {r.status_code}: {r.text[:300]}")
-        data = orjson.loads(r.content)
-        state = data["stream_state"]
-        chunks.append(data["chunk"])
-    return lat, chunks
+def stream(
+    url: str, prompt: list[int], output: list[int], request_id: str, headers: dict[str, str] | None = None, on_chunk: Any = None
+) -> tuple[list[float], list[dict], int]:
+    """One stream, one chunk per call, on its own connection. (per-chunk seconds, chunks, bytes sent)."""
+    lat, chunks, state, sent = [], [], None, 0
+    with httpx.Client(timeout=600, headers={"content-type": "application/json", **(headers or {})}) as client:
+        for i in range(len(output)):
+            if on_chunk is not None:
+                on_chunk(i)
+            body = chunk_body(i, output, state, prompt, request_id)
+            sent += len(body)
+            t = time.perf_counter()
+            r = client.post(url, content=body)
+            lat.append(time.perf_counter() - t)
+            if r.status_code != 200:
+                raise RuntimeError(f"chunk {i}: HTTP {r.status_code}: {r.text[:300]}")
+            data = orjson.loads(r.content)
+            state = data["stream_state"]
+            chunks.append(data["chunk"])
+    return lat, chunks, sent
 
 
-def windows(lat: list[float]) -> list[dict[str, Any]]:
-    rows = []
-    for start in WINDOWS:
-        part = sorted(lat[start : start + 100])
-        if part:
-            rows.append({"positions": f"{start}-{start + len(part) - 1}", "p50_ms": 1000 * statistics.median(part),
-                         "p99_ms": 1000 * part[min(len(part) - 1, int(0.99 * len(part)))]})
-    return rows
+def concurrent(url: str, prompt: list[int], output: list[int], tag: str, headers_for: Any) -> dict[str, Any]:
+    """CONCURRENT streams at once, each on its own connection: chunks/s over the whole run."""
+    t = time.perf_counter()
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        futures = [pool.submit(stream, url, prompt, output, f"{tag}-{k}", headers_for(f"{tag}-{k}")) for k in range(CONCURRENT)]
+        results = [f.result() for f in futures]
+    wall = time.perf_counter() - t
+    return {"wall_s": wall, "chunks_per_s": CONCURRENT * len(output) / wall, "outputs": [joined(r[1]) for r in results]}
 
 
 def trapezoid(samples: dict[int, float], n: int) -> float:
-    """Total seconds of an n-chunk stream from per-chunk costs sampled at positions (linear between)."""
+    """Total of an n-chunk stream from per-chunk costs sampled at positions (linear between)."""
     pts = sorted((p, s) for p, s in samples.items() if p <= n)
-    total = 0.0
-    for (p0, s0), (p1, s1) in zip(pts, pts[1:], strict=False):
-        total += (s0 + s1) / 2 * (p1 - p0)
-    return total
+    return sum((s0 + s1) / 2 * (p1 - p0) for (p0, s0), (p1, s1) in zip(pts, pts[1:], strict=False))
 
 
-# --- the systems ------------------------------------------------------------------------------
+def same_answer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(a[k] == b[k] for k in ("content", "reasoning_chars", "tool_arguments", "finish_reason"))
 
 
-def run_vllm(opts: argparse.Namespace, prompt: list[int], output: list[int]) -> dict[str, Any]:
+# --- vLLM ---------------------------------------------------------------------------------------
+
+
+def run_vllm(w1000: tuple[list[int], list[int]], w4000: tuple[list[int], list[int]]) -> dict[str, Any]:
     port = free_port()
-    cmd = [*vllm_render_argv(APP), "--port", str(port)]
     LOGS.mkdir(parents=True, exist_ok=True)
-    with (LOGS / "parser-vllm.log").open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+    with (LOGS / "parser-vllm.log").open("w") as out:
+        argv = [*vllm_render_argv(APP), "--port", str(port)]
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
+    url = f"{base}/v1/chat/completions/derender"
     try:
-        try:
-            wait_http_blocking(f"{base}/health", 300, proc)
-        except (RuntimeError, TimeoutError) as exc:
-            raise RuntimeError("vllm launch render did not start; see bench/results/logs.tmp/parser-vllm.log") from exc
-        url = f"{base}/v1/chat/completions/derender"
+        wait_http_blocking(f"{base}/health", 300, proc)
+        log("vllm launch render up")
+        prompt, output = w1000
+        stream(url, prompt, output[:20], "warm")
+        lat, chunks, sent = stream(url, prompt, output, "vllm-1000")
+        one = {"total_s": sum(lat), "bytes_sent": sent, "answer": joined(chunks)}
+        log(f"vLLM one 1000-token stream: {one['total_s']:.1f} s")
+        many = concurrent(url, prompt, output, "vllm-c", lambda sid: None)
+        log(f"vLLM {CONCURRENT} concurrent: {many['chunks_per_s']:.1f} chunks/s")
+        prompt4, output4 = w4000
         samples: dict[int, float] = {}
+        cpu: dict[int, float] = {}
         with httpx.Client(timeout=600) as c:
             for pos in POSITIONS:
-                body = positioned_body(pos, output, prompt)
+                body = positioned_body(pos, output4, prompt4)
                 times = []
-                for _ in range(opts.reps):
+                before = proc_cpu()
+                for _ in range(3):
                     t = time.perf_counter()
                     r = c.post(url, content=body, headers={"content-type": "application/json"})
                     times.append(time.perf_counter() - t)
                     assert r.status_code == 200, r.text[:300]
                 samples[pos] = statistics.median(times)
-                print(f"vLLM per-chunk at position {pos}: {1000 * samples[pos]:.1f} ms", flush=True)
-            out: dict[str, Any] = {"per_chunk_s": samples}
-            if opts.vllm_full:
-                lat, _ = stream(c, url, prompt, output[:1000], "vllm-full")
-                out["full_1000_total_s"] = sum(lat)
-                print(f"vLLM full 1000-token stream: {sum(lat):.1f} s", flush=True)
-        out["total_1000_s"] = trapezoid(samples, 1000)
-        out["total_4000_s"] = trapezoid(samples, 4000)
-        return out
+                cpu[pos] = cpu_by_role(before, proc_cpu()).get("vllm", 0.0) / 3
+                log(f"vLLM chunk at position {pos}: {1000 * samples[pos]:.1f} ms, {1000 * cpu[pos]:.1f} ms CPU")
+        return {
+            "one_1000": one,
+            "concurrent_1000": many,
+            "per_chunk_s": samples,
+            "cpu_per_chunk_s": cpu,
+            "total_4000_s": trapezoid(samples, 4000),
+            "total_1000_s_integrated": trapezoid(samples, 1000),
+        }
     finally:
         kill_group(proc)
 
 
-def run_ours(opts: argparse.Namespace, prompt: list[int], output: list[int]) -> dict[str, Any]:
+# --- ours ---------------------------------------------------------------------------------------
+
+
+def session_outcomes(base: str) -> dict[str, float]:
+    prefix = "serve_app_parser_session_chunks_total{"
+    out: dict[str, float] = {}
+    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(prefix):
+            labels, value = line[len(prefix) :].rsplit("} ", 1)
+            outcome = next(p.split("=")[1].strip('"') for p in labels.split(",") if p.startswith("outcome="))
+            out[outcome] = out.get(outcome, 0.0) + float(value)
+    return out
+
+
+def run_ours(w1000: tuple[list[int], list[int]], w4000: tuple[list[int], list[int]]) -> dict[str, Any]:
+    from serve_app.front_door import HAPROXY_BALANCE
+
+    # make run's front door, set before Ray starts: Ray's HAProxy manager and the Ingress replicas, in
+    # processes of the cluster started below, read it from the environment they inherit.
+    os.environ["RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"] = HAPROXY_BALANCE
     import ray
     from ray import serve
 
+    from bench.common.serve_cluster import haproxy_replicas_up
     from serve_app.app import build_app
     from serve_app.config import AppArgs
 
@@ -184,200 +232,279 @@ def run_ours(opts: argparse.Namespace, prompt: list[int], output: list[int]) -> 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        # As serve_config.yaml: render and plain derender in two Ingress replicas, ParserDerender apart.
         app_args = AppArgs(
-            **APP, colocate_in_ingress=["render", "plain_derender"], deployments={"ingress": {"num_replicas": 2}}
+            **APP,
+            colocate_in_ingress=["render", "plain_derender", "parser_derender"],
+            deployments={"ingress": {"num_replicas": 2}},
         )
         serve.run(build_app(app_args), name="bench", route_prefix="/")
-        deadline = time.monotonic() + 120
-        while os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" and haproxy_replicas_up() < 2 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 180
+        while haproxy_replicas_up() < 2 and time.monotonic() < deadline:
             time.sleep(1)
         base = f"http://127.0.0.1:{port}"
         url = f"{base}/v1/chat/completions/derender"
+        log("serve_app up behind HAProxy")
+        prompt, output = w1000
+        prompt4, output4 = w4000
+        for k in range(4):
+            stream(url, prompt, output[:30], f"warm-{k}")
+        out: dict[str, Any] = {}
+        for mode in ("no header", "x-session-id"):
+            def hdr(sid: str, mode: str = mode) -> dict[str, str] | None:
+                return {"x-session-id": sid} if mode == "x-session-id" else None
 
-        # One ParserDerender replica holds every session (each Ingress replica has its own /metrics).
-        # Throughput-optimized Serve routes handle calls on the caller's event loop, which must keep
-        # running: one loop in a thread for every call.
-        import threading
+            tag = "h" if mode == "x-session-id" else "n"
+            before = session_outcomes(base)
+            lat, chunks, sent = stream(url, prompt, output, f"{tag}-1000", hdr(f"{tag}-1000"))
+            one = {"total_s": sum(lat), "p50_ms": 1000 * statistics.median(lat), "bytes_sent": sent, "answer": joined(chunks)}
+            log(f"ours ({mode}) one 1000-token stream: {one['total_s']:.2f} s")
+            many = concurrent(url, prompt, output, f"{tag}-c", hdr)
+            log(f"ours ({mode}) {CONCURRENT} concurrent: {many['chunks_per_s']:.0f} chunks/s")
+            snaps: list[dict[int, tuple[str, float]]] = []
 
-        loop = asyncio.new_event_loop()
-        threading.Thread(target=loop.run_forever, daemon=True).start()
-        handle = serve.get_deployment_handle("ParserDerender", app_name="bench")
+            def snap(i: int, snaps: list[dict[int, tuple[str, float]]] = snaps) -> None:
+                if i % WINDOW == 0:
+                    snaps.append(proc_cpu())
 
-        def replica_stats() -> dict[str, Any]:
-            async def call() -> dict[str, Any]:
-                return await handle.stats.remote()
-
-            return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout=60)
-
-        with httpx.Client(timeout=120) as c:
-            stream(c, url, prompt, output[:50], "warmup")
-            before = replica_stats()
-            lat, chunks = stream(c, url, prompt, output, "ours")
-            after = replica_stats()
-            whole = c.post(
-                url,
-                json={
-                    "model": "qwen3-tiny",
-                    "generate_response": {"request_id": "whole", "choices": [{"index": 0, "token_ids": output}]},
-                    "chat_request": CHAT_REQUEST,
-                    "prompt_token_ids": prompt,
-                },
-            ).json()["choices"][0]
-        stats = after
-        got = joined(chunks)
-        msg = whole["message"]
-        stream_equals_whole = (
-            got["content"] == (msg["content"] or "")
-            and got["reasoning_chars"] == len(msg["reasoning"] or "")
-            and got["tool_arguments"] == [t["function"]["arguments"] for t in msg["tool_calls"]]
-            and got["finish_reason"] == whole["finish_reason"]
-        )
-        counts = {k: after[k] - before[k] for k in ("hits", "misses")}
-        return {
-            "per_chunk_all_s": lat,
-            "windows": windows(lat),
-            "total_1000_s": sum(lat[:1000]),
-            "total_4000_s": sum(lat[:4000]),
-            "sessions": counts,
-            "hit_rate": counts["hits"] / max(1, counts["hits"] + counts["misses"]),
-            "replica_stats": stats,
-            "stream_equals_nonstream": stream_equals_whole,
-            "finish_reason": got["finish_reason"],
-            "tool_calls": len(got["tool_arguments"]),
-        }
+            lat4, chunks4, sent4 = stream(url, prompt4, output4, f"{tag}-4000", hdr(f"{tag}-4000"), on_chunk=snap)
+            snaps.append(proc_cpu())
+            windows = []
+            for w, (a, b) in enumerate(zip(snaps, snaps[1:], strict=False)):
+                roles = cpu_by_role(a, b)
+                n = min(WINDOW, len(output4) - w * WINDOW)
+                windows.append({"start": w * WINDOW, "server_ms": 1000 * sum(roles.get(r, 0.0) for r in SERVER_ROLES) / n,
+                                "by_role_ms": {r: 1000 * v / n for r, v in roles.items() if r in SERVER_ROLES}})
+            after = session_outcomes(base)
+            out[mode] = {
+                "one_1000": one,
+                "concurrent_1000": many,
+                "one_4000": {"total_s": sum(lat4), "bytes_sent": sent4, "answer": joined(chunks4), "cpu_windows": windows},
+                "sessions": {k: after.get(k, 0) - before.get(k, 0) for k in ("hit", "miss", "new", "none")},
+            }
+            log(f"ours ({mode}) one 4000-token stream: {sum(lat4):.2f} s; sessions {out[mode]['sessions']}")
+        out["handle"] = handle_stream(prompt, output)
+        log(f"ours by handle (ServeAppClient.derender_chat_stream): {out['handle']['total_s']:.2f} s")
+        return out
     finally:
-        ray.shutdown()  # takes Serve down with the cluster (serve.shutdown trips on the closed handle loop)
+        ray.shutdown()
 
 
-def session_memory(prompt: list[int], output: list[int]) -> dict[str, Any]:
-    """Bytes the session cache holds per token, measured with tracemalloc on the real service: five
-    streams (distinct prompts) are streamed through ``chat_with_outcome`` and left in the cache."""
-    import gc
-    import tracemalloc
+def handle_stream(prompt: list[int], output: list[int]) -> dict[str, Any]:
+    """One 1000-token stream by handle, no HTTP: ``ServeAppClient.derender_chat_stream`` to ParserDerender
+    (its routing session keeps the stream on one replica). One event loop runs the whole stream: Serve
+    routes a handle's calls on the caller's loop."""
+    from serve_app.client import ServeAppClient
 
+    async def run() -> tuple[float, list[dict]]:
+        client = ServeAppClient("bench")
+        for k in range(2):  # warm: the handle's first calls set up its router
+            warm = client.derender_chat_stream(chat_request=CHAT_REQUEST, prompt_token_ids=prompt)
+            for tid in output[:20]:
+                await warm.derender({"request_id": f"handle-warm-{k}", "choices": [{"index": 0, "token_ids": [tid]}]})
+        s = client.derender_chat_stream(chat_request=CHAT_REQUEST, prompt_token_ids=prompt)
+        chunks, t = [], time.perf_counter()
+        for i, tid in enumerate(output):
+            last = "stop" if i == len(output) - 1 else None
+            out = await s.derender({"request_id": "handle", "choices": [{"index": 0, "token_ids": [tid], "finish_reason": last}]})
+            chunks.append(out["chunk"])
+        return time.perf_counter() - t, chunks
+
+    total, chunks = asyncio.run(run())
+    return {"total_s": total, "answer": joined(chunks)}
+
+
+# --- in-process CPU profile ---------------------------------------------------------------------
+
+
+def run_profile(_w1000: tuple[list[int], list[int]], w4000: tuple[list[int], list[int]]) -> dict[str, Any]:
+    """The parser service alone: process CPU per chunk by position, and where it goes (cProfile)."""
     from serve_app.config import AppArgs
     from serve_app.derender.parser import build_parser_service
 
     args = AppArgs(**APP)
     service = asyncio.run(build_parser_service(args, args.resolve()))
-    out = {}
-    for n in (1000, 4000):
-        service.sessions.clear()
-        gc.collect()
-        tracemalloc.start()
-        base = tracemalloc.get_traced_memory()[0]
-        for k in range(5):
-            state = None
-            own_prompt = prompt + [k]
-            for i in range(n):
-                body = chunk_body(i, output[:n], state, own_prompt, f"mem-{k}")
-                state = json.loads(service.chat_with_outcome(body)[0])["stream_state"]
-        del state
-        gc.collect()
-        held = tracemalloc.get_traced_memory()[0] - base
-        tracemalloc.stop()
-        tokens = service.sessions.tokens
-        out[n] = {"sessions": len(service.sessions), "tokens": tokens, "bytes": held, "bytes_per_token": held / tokens}
-    worst = max(v["bytes_per_token"] for v in out.values())
-    cap = args.parser_sessions.max_tokens
-    return {"by_length": out, "max_tokens": cap, "bound_bytes": worst * cap}
+    prompt, output = w4000
+    state: Any = None
+    cpu_windows: list[dict[str, Any]] = []
+    profiles: dict[int, list[dict[str, Any]]] = {}
+    profile_at = {250, 1250, 3500}  # profiled windows: their CPU is measured in the neighbouring ones
+    spent = 0.0  # process CPU inside the service call only (the client's encoding is left out)
+    prof: cProfile.Profile | None = None
+    for i in range(len(output)):
+        if i % WINDOW == 0:
+            if prof is not None:
+                profiles[i - WINDOW] = top_functions(prof, WINDOW)
+                prof = None
+            elif i:
+                cpu_windows.append({"start": i - WINDOW, "cpu_ms": 1000 * spent / WINDOW})
+            spent = 0.0
+            if i in profile_at:
+                prof = cProfile.Profile()
+        body = chunk_body(i, output, state, prompt, "profile")
+        if prof is not None:  # a profiled window: its CPU is not counted (cProfile's own cost)
+            prof.enable()
+            out, outcome = service.chat_with_outcome(body)
+            prof.disable()
+        else:
+            t = time.process_time()
+            out, outcome = service.chat_with_outcome(body)
+            spent += time.process_time() - t
+        assert outcome in ("new", "hit"), outcome
+        state = orjson.loads(out)["stream_state"]
+    if prof is not None:
+        profiles[len(output) - WINDOW] = top_functions(prof, WINDOW)
+    else:
+        cpu_windows.append({"start": len(output) - WINDOW, "cpu_ms": 1000 * spent / WINDOW})
+    log("profile: " + ", ".join(f"{w['start']}: {w['cpu_ms']:.2f} ms" for w in cpu_windows))
+    return {"cpu_windows": cpu_windows, "profiles": profiles}
+
+
+def top_functions(prof: cProfile.Profile, chunks: int, n: int = 14) -> list[dict[str, Any]]:
+    """The functions with the most own time, per chunk, with their cumulative time per chunk."""
+    stats = pstats.Stats(prof)
+
+    def named(key: tuple[str, int, str]) -> str:
+        file, line, name = key
+        return f"{file.split('site-packages/')[-1].split('/wt/f/')[-1]}:{line}({name})"
+
+    rows = []
+    for key, (_cc, calls, tt, ct, callers) in stats.stats.items():  # type: ignore[attr-defined]
+        per_chunk = {"calls_per_chunk": calls / chunks, "own_ms": 1000 * tt / chunks, "cum_ms": 1000 * ct / chunks}
+        by_caller = sorted(callers.items(), key=lambda kv: -kv[1][2])[:3]  # (caller, (cc, calls, tt, ct))
+        rows.append({"function": named(key), **per_chunk, "callers": [f"{named(c)} {1000 * v[2] / chunks:.3f} ms" for c, v in by_caller]})
+    return sorted(rows, key=lambda r: -r["own_ms"])[:n]
+
+
+# --- report -------------------------------------------------------------------------------------
 
 
 def report(data: dict[str, Any]) -> str:
-    ours, vllm, mem = data["ours"], data["vllm"], data["memory"]
-    m = data["machine"]
+    m, v, ours = data["machine"], data["vllm"], data["ours"]
     lines = [
-        "# Parser derender: serve_app ParserDerender vs `vllm launch render` (hermes + qwen3, qwen3-tiny)",
+        "# Parser streams, with and without x-session-id: serve_app vs `vllm launch render` (hermes + qwen3, qwen3-tiny)",
         "",
-        f"{m['date_utc']}, {m['cpu']}, {m['logical_cpus']} vCPU, commit {m['git_commit']}. "
-        + (
-            "vLLM samples reused from the previous run on this machine (--reuse-vllm); "
-            if data["opts"].get("reuse_vllm")
-            else "One run, one machine; "
-        )
-        + "ours over HTTP through Serve's front door as `make run` serves it (HAProxy, throughput-optimized "
-        "Serve, two Ingress replicas with render colocated, ParserDerender 1 replica), one token per chunk.",
+        f"{m['date_utc']} · {m['cpu']} · {m['logical_cpus']} vCPU · commit {m['git_commit']} · `python -m bench.parser_bench` "
+        "(vLLM and ours one after the other in one run). Ours: two Ingress replicas holding render, plain and parser "
+        "derender, ParserDerender apart (by handle), engine off, behind Ray's HAProxy with `make run`'s front door "
+        "(`serve_app/front_door.py` `HAPROXY_BALANCE`: chunks hashed by `generate_chunk.request_id`). One token per "
+        "chunk; the client sends what vLLM's API document shows (stream_state, chat_request, prompt_token_ids).",
         "",
-        "## Per-chunk latency by position (ours, one stream of %d chunks)" % len(ours["per_chunk_all_s"]),
-        "",
-        "| positions | ours p50 ms | ours p99 ms |",
-        "|---|---|---|",
+        "| case | vLLM | ours, no header | ratio | ours, x-session-id | ratio | goal |",
+        "|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| {w['positions']} | {w['p50_ms']:.2f} | {w['p99_ms']:.2f} |" for w in ours["windows"]]
+    n, h = ours["no header"], ours["x-session-id"]
+    v1, vc, v4 = v["one_1000"]["total_s"], v["concurrent_1000"]["chunks_per_s"], v["total_4000_s"]
+    lines += [
+        f"| one 1000-token stream, s | {v1:.2f} | {n['one_1000']['total_s']:.2f} | **{v1 / n['one_1000']['total_s']:.1f}x** | "
+        f"{h['one_1000']['total_s']:.2f} | {v1 / h['one_1000']['total_s']:.1f}x | >= 10x |",
+        f"| {CONCURRENT} concurrent 1000-token streams, chunks/s | {vc:.1f} | {n['concurrent_1000']['chunks_per_s']:.0f} | "
+        f"**{n['concurrent_1000']['chunks_per_s'] / vc:.1f}x** | {h['concurrent_1000']['chunks_per_s']:.0f} | "
+        f"{h['concurrent_1000']['chunks_per_s'] / vc:.1f}x | >= 10x |",
+        f"| one 4000-token stream, s | {v4:.1f} (integrated) | {n['one_4000']['total_s']:.2f} | **{v4 / n['one_4000']['total_s']:.1f}x** | "
+        f"{h['one_4000']['total_s']:.2f} | {v4 / h['one_4000']['total_s']:.1f}x | >= 40x |",
+    ]
+    same = all(
+        same_answer(o[k]["answer"], v["one_1000"]["answer"]) for o in (n, h) for k in ("one_1000",)
+    ) and all(same_answer(a, v["one_1000"]["answer"]) for o in (n, h, v) for a in o["concurrent_1000"]["outputs"])
+    if "handle" in ours:
+        hs = ours["handle"]["total_s"]
+        row = f"| one 1000-token stream by handle (`ServeAppClient.derender_chat_stream`), s | {v1:.2f} | {hs:.2f} | {v1 / hs:.1f}x"
+        lines.append(row + " | | | >= 10x |")
+        same = same and same_answer(ours["handle"]["answer"], v["one_1000"]["answer"])
     lines += [
         "",
-        "## vLLM per-chunk latency at sampled positions (median of %d calls)" % data["opts"]["reps"],
+        f"- Outputs (content, reasoning, tool-call arguments, finish_reason) equal vLLM's for every 1000-token stream: {same}.",
+        f"- Session cache outcomes (Ingress /metrics) — no header: {fmt_sessions(n['sessions'])}; "
+        f"x-session-id: {fmt_sessions(h['sessions'])}.",
+        f"- Bytes a client sends: 1000-token stream {n['one_1000']['bytes_sent'] / 1e6:.1f} MB, "
+        f"4000-token {n['one_4000']['bytes_sent'] / 1e6:.1f} MB.",
+        f"- vLLM's 4000-token total integrates its per-chunk cost at positions {', '.join(map(str, POSITIONS))} (median of 3); "
+        f"the same integral for 1000 tokens is {v['total_1000_s_integrated']:.2f} s against {v1:.2f} s measured end to end.",
         "",
-        "| position | vLLM ms | ours p50 ms (window) |",
-        "|---|---|---|",
-    ]
-    lat = ours["per_chunk_all_s"]
-    for pos, s in sorted(vllm["per_chunk_s"].items(), key=lambda kv: int(kv[0])):
-        pos = int(pos)
-        ours_ms = 1000 * statistics.median(lat[pos : pos + 100]) if pos < len(lat) else float("nan")
-        lines.append(f"| {pos} | {1000 * s:.1f} | {ours_ms:.2f} |")
-    r1 = vllm["total_1000_s"] / ours["total_1000_s"]
-    r4 = vllm["total_4000_s"] / ours["total_4000_s"]
-    lines += [
+        "## CPU per chunk against stream position (4000-token stream; `bench/results/parser_cpu.png`)",
         "",
-        "## Total derender time of one stream",
+        "Ours: CPU of every server process (Ingress, ParserDerender, HAProxy, Ray) over each window of "
+        f"{WINDOW} chunks, from /proc. vLLM: its process's CPU per call at the position. Profile: the parser "
+        "service alone in one process (no HTTP, no Ray), `time.process_time` around `chat_with_outcome` "
+        "(windows that were profiled are left out).",
         "",
-        "| stream | vLLM s | ours s | vLLM / ours | goal |",
+        "| position | vLLM ms | ours no header ms | ours x-session-id ms | parser service alone ms |",
         "|---|---|---|---|---|",
-        f"| 1000 tokens | {vllm['total_1000_s']:.2f} | {ours['total_1000_s']:.3f} | {r1:.0f}x | >= 10x |",
-        f"| 4000 tokens | {vllm['total_4000_s']:.2f} | {ours['total_4000_s']:.3f} | {r4:.0f}x | >= 40x |",
     ]
-    if "full_1000_total_s" in vllm:
-        lines.append(f"\nvLLM's 1000-token stream measured end to end: {vllm['full_1000_total_s']:.1f} s.")
-    s = ours["sessions"]
-    st = ours["replica_stats"]
-    lines += [
-        "",
-        "vLLM totals integrate its per-chunk samples (trapezoid); ours are the sums of the first 1000 / 4000 "
-        "measured chunks of the stream above.",
-        "",
-        "## Session cache",
-        "",
-        f"- Outcomes over the measured stream (ParserDerender replica counters): {s['hits']} hits, "
-        f"{s['misses']} misses: **{100 * ours['hit_rate']:.2f}% hits**.",
-        f"- Replica after the run: {st['sessions']} cached sessions holding {st['session_tokens']} tokens; "
-        f"peak RSS {st['max_rss_bytes'] / 2**20:.0f} MiB.",
-        "- Memory per cached token (tracemalloc, live sessions of 1000 / 4000 output tokens): "
-        + ", ".join(f"{v['bytes_per_token']:.0f} B" for v in mem["by_length"].values())
-        + f". With `parser_sessions.max_tokens` = {mem['max_tokens']:,} the cache holds at most "
-        f"~{mem['bound_bytes'] / 2**20:.0f} MiB per replica (plus LRU and TTL bounds on entries).",
-        f"- Streamed output equals the non-streaming answer: {ours['stream_equals_nonstream']} "
-        f"(finish_reason {ours['finish_reason']}, {ours['tool_calls']} tool calls).",
-    ]
+    prof = data.get("profile", {})
+    pw = {w["start"]: w["cpu_ms"] for w in prof.get("cpu_windows", [])}
+    nw = {w["start"]: w["server_ms"] for w in n["one_4000"]["cpu_windows"]}
+    hw = {w["start"]: w["server_ms"] for w in h["one_4000"]["cpu_windows"]}
+    vcpu = {int(k): s for k, s in v["cpu_per_chunk_s"].items()}
+    for start in sorted(nw):
+        vv = f"{1000 * vcpu[start]:.1f}" if start in vcpu else ""
+        nan = float("nan")
+        lines.append(f"| {start}-{start + WINDOW - 1} | {vv} | {nw[start]:.2f} | {hw.get(start, nan):.2f} | {pw.get(start, nan):.2f} |")
+    for pos, rows in sorted(prof.get("profiles", {}).items(), key=lambda kv: int(kv[0])):
+        lines += [
+            "",
+            f"### Parser service alone, chunks {pos}-{int(pos) + WINDOW - 1}: top functions by own CPU (cProfile, per chunk)",
+            "",
+            "| function | calls/chunk | own ms | cumulative ms | own ms by caller |",
+            "|---|---|---|---|---|",
+        ]
+        for r in rows:
+            callers = "; ".join(r.get("callers") or ())
+            lines.append(f"| `{r['function']}` | {r['calls_per_chunk']:.1f} | {r['own_ms']:.3f} | {r['cum_ms']:.3f} | {callers} |")
     return "\n".join(lines) + "\n"
+
+
+def fmt_sessions(s: dict[str, float]) -> str:
+    hits, misses = s.get("hit", 0), s.get("miss", 0)
+    return f"{hits:.0f} hits, {misses:.0f} misses, {s.get('new', 0):.0f} new ({100 * hits / max(1, hits + misses):.2f}% hits)"
+
+
+def plot(data: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    v = data["vllm"]["cpu_per_chunk_s"]
+    ax.plot([int(k) for k in v], [1000 * s for s in v.values()], "o-", label="vllm launch render")
+    for mode in ("no header", "x-session-id"):
+        w = data["ours"][mode]["one_4000"]["cpu_windows"]
+        ax.plot([x["start"] + WINDOW / 2 for x in w], [x["server_ms"] for x in w], "s-", label=f"serve_app, {mode} (all server processes)")
+    if "profile" in data:
+        w = data["profile"]["cpu_windows"]
+        ax.plot([x["start"] + WINDOW / 2 for x in w], [x["cpu_ms"] for x in w], "^--", label="parser service alone (one process)")
+    ax.set_yscale("log")
+    ax.set_xlabel("position in the stream (output tokens so far)")
+    ax.set_ylabel("CPU ms per chunk")
+    ax.set_title("Parser stream: CPU per chunk against position (one token per chunk)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "parser_cpu.png", dpi=110)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=8000)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--vllm-full", action="store_true", help="also stream vLLM's 1000-token case end to end")
-    p.add_argument("--reuse-vllm", action="store_true", help="reuse the vLLM samples of the last run (logs.tmp)")
+    p.add_argument("--parts", default="profile,vllm,ours,report", help="comma-separated: profile, vllm, ours, report")
     opts = p.parse_args()
-    prompt, output = workload(opts.tokens)
-    print(f"prompt {len(prompt)} tokens, output {len(output)} tokens", flush=True)
-    cached = LOGS / "parser-vllm.json"
-    if opts.reuse_vllm and cached.exists():
-        vllm = json.loads(cached.read_text())
-        vllm["per_chunk_s"] = {int(k): v for k, v in vllm["per_chunk_s"].items()}
-    else:
-        vllm = run_vllm(opts, prompt, output)
-        cached.write_text(json.dumps(vllm))
-    ours = run_ours(opts, prompt, output)
-    print(f"ours: {ours['windows']}", flush=True)
-    memory = session_memory(prompt, output)
-    data = {"machine": machine_info(), "opts": vars(opts), "vllm": vllm, "ours": ours, "memory": memory}
+    parts = set(opts.parts.split(","))
+    path = RESULTS / "parser.json"
+    data: dict[str, Any] = json.loads(path.read_text()) if path.exists() and parts != {"profile", "vllm", "ours", "report"} else {}
+    w1000, w4000 = workload(1000), workload(4000)
+    log(f"prompt {len(w1000[0])} tokens; outputs {len(w1000[1])} and {len(w4000[1])} tokens")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "parser.json").write_text(json.dumps(data, indent=1, default=str))
-    text = report(json.loads(json.dumps(data, default=str)))
-    (RESULTS / "parser.md").write_text(text)
-    print(text)
+    if parts & {"vllm", "ours"} or "machine" not in data:
+        data["machine"] = machine_info()
+    for part, run in (("profile", run_profile), ("vllm", run_vllm), ("ours", run_ours)):
+        if part in parts:
+            data[part] = run(w1000, w4000)
+            path.write_text(json.dumps(data, indent=1, default=str))  # each part kept as soon as it is measured
+    if "report" in parts and "vllm" in data and "ours" in data:
+        data = json.loads(path.read_text())
+        (RESULTS / "parser.md").write_text(report(data))
+        plot(data)
+        print(report(data))
 
 
 if __name__ == "__main__":

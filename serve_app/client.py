@@ -7,6 +7,10 @@ is async and takes / returns vLLM 0.32's wire shapes::
     gen = await client.render_chat({"messages": [{"role": "user", "content": "Hi"}]})  # GenerateRequest dict
     out = await client.generate(gen)                                                    # GenerateTokensResponse
     chat = await client.derender_chat(out, chat_request=..., prompt_token_ids=gen["token_ids"])
+    # or streamed, one generate chunk at a time (the carried stream_state is kept for you):
+    stream = client.derender_chat_stream(chat_request=..., prompt_token_ids=gen["token_ids"])
+    async for gen_chunk in client.generate_stream({**gen, "stream": True}):
+        out = await stream.derender(gen_chunk)                                       # {"chunk", "stream_state"}
     # or all three:
     chat = await client.chat({"messages": [...]})
     async for chunk in client.chat_stream({"messages": [...]}):   # chat.completion.chunk dicts
@@ -21,12 +25,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from functools import cached_property
 from typing import Any
 
 from serve_app.errors import ApiError
 from serve_app.protocol import GenerateTokensResponse, GenerateTokensStreamResponse
 
-__all__ = ["ServeAppClient"]
+__all__ = ["ChatDerenderStream", "ServeAppClient"]
 
 GenerateRequestDict = dict[str, Any]
 """vLLM's ``GenerateRequest`` as JSON: ``token_ids``, ``sampling_params``, ``request_id``, ``stream``, ..."""
@@ -45,18 +50,40 @@ class ServeAppClient:
     """
 
     def __init__(self, app_name: str = "serve_app") -> None:
-        from ray import serve
-
         self.app_name = app_name
-        self._get = lambda name: serve.get_deployment_handle(name, app_name=app_name)
-        self.render = self._get("Render")
-        self.engine = self._get("Engine")
-        self.plain_derender = self._get("PlainDerender")
-        self.ingress = self._get("Ingress")
-        self._composed_stream = self.ingress.options(stream=True, method_name="composed_chat_stream")
-        self._engine_stream = self.engine.options(stream=True, method_name="generate_stream")
         self._parser: Any = None
         self._has_parser: bool | None = None
+
+    # Each handle is looked up at first use: an application without an Engine (render and derender
+    # only) has no such deployment, and Serve refuses a handle to one that does not exist.
+    def _get(self, name: str) -> Any:
+        from ray import serve
+
+        return serve.get_deployment_handle(name, app_name=self.app_name)
+
+    @cached_property
+    def render(self) -> Any:
+        return self._get("Render")
+
+    @cached_property
+    def engine(self) -> Any:
+        return self._get("Engine")
+
+    @cached_property
+    def plain_derender(self) -> Any:
+        return self._get("PlainDerender")
+
+    @cached_property
+    def ingress(self) -> Any:
+        return self._get("Ingress")
+
+    @cached_property
+    def _composed_stream(self) -> Any:
+        return self.ingress.options(stream=True, method_name="composed_chat_stream")
+
+    @cached_property
+    def _engine_stream(self) -> Any:
+        return self.engine.options(stream=True, method_name="generate_stream")
 
     def _chat_derender(self) -> tuple[Any, bool]:
         if self._has_parser is None:
@@ -124,6 +151,23 @@ class ServeAppClient:
         }
         return json.loads(await self._call(target.chat.remote(body)))
 
+    def derender_chat_stream(
+        self,
+        *,
+        chat_request: dict[str, Any] | None,
+        prompt_token_ids: list[int] | None,
+        model: str | None = None,
+        session_id: str | None = None,
+    ) -> ChatDerenderStream:
+        """``/v1/chat/completions/derender`` streamed: a :class:`ChatDerenderStream` that takes one
+        generate chunk at a time and returns ``{"chunk", "stream_state"}`` as the route does.
+
+        Every chunk goes to the ParserDerender replica holding the stream's live parser (Serve's
+        consistent-hash router keyed on ``session_id``: the first chunk's ``request_id`` unless given),
+        so only a replica change replays the carried state."""
+        target, has_parser = self._chat_derender()
+        return ChatDerenderStream(self, target, has_parser, chat_request, prompt_token_ids, model, session_id)
+
     async def derender_completion(
         self,
         generate_responses: list[GenerateTokensResponse | dict[str, Any]],
@@ -160,6 +204,52 @@ class ServeAppClient:
             raise _unwrap(exc) from None
         finally:
             gen.cancel()
+
+
+class ChatDerenderStream:
+    """One streaming chat derender by handle (:meth:`ServeAppClient.derender_chat_stream`).
+
+    It carries ``stream_state`` from each answer to the next call, one per choice index (``n > 1``
+    streams interleave their chunks), as a client of the HTTP route does by hand."""
+
+    def __init__(
+        self,
+        client: ServeAppClient,
+        target: Any,
+        has_parser: bool,
+        chat_request: dict[str, Any] | None,
+        prompt_token_ids: list[int] | None,
+        model: str | None,
+        session_id: str | None,
+    ) -> None:
+        self._client = client
+        self._target = target
+        self._has_parser = has_parser
+        self._session_id = session_id
+        self._handle: Any = None
+        self._base = {
+            "stream": True,
+            "model": model,
+            "prompt_tokens": len(prompt_token_ids) if prompt_token_ids is not None else None,
+            "prompt_token_ids": prompt_token_ids,
+            "chat_request": chat_request,
+        }
+        self.stream_states: dict[int, Any] = {}
+        """The last ``stream_state`` per choice index."""
+
+    async def derender(self, generate_chunk: GenerateTokensStreamResponse | dict[str, Any]) -> dict[str, Any]:
+        """One generate chunk in, ``{"chunk": chat.completion.chunk, "stream_state": ...}`` out."""
+        gen = _as_dict(generate_chunk)
+        choices = gen.get("choices") or []
+        index = choices[0].get("index", 0) if choices else 0
+        if self._handle is None:
+            # The routing session: Serve's proxy sets it only for HTTP, so a handle caller sets it here.
+            sid = self._session_id or gen.get("request_id")
+            self._handle = self._target.options(session_id=sid) if self._has_parser and sid else self._target
+        body = {**self._base, "generate_chunk": gen, "stream_state": self.stream_states.get(index)}
+        out = json.loads(await self._client._call(self._handle.chat.remote(body)))
+        self.stream_states[index] = out["stream_state"]
+        return out
 
 
 def _as_dict(value: Any) -> dict[str, Any]:

@@ -10,11 +10,15 @@ let us set in HAProxy is in docs/operations.md, "Front door".
   (``ray/serve/_private/http_util.py``: ``configure_http_middlewares``, ``start_asgi_http_server``),
   so :class:`StrictHeadersMiddleware` runs before Ray decodes any header.
 * :class:`BodyDeadlineMiddleware` is in the Ingress's own stack: a body has to keep arriving.
+* :data:`HAPROXY_BALANCE` is what ``make run`` sets ``RAY_SERVE_HAPROXY_BALANCE_ALGORITHM`` to: HAProxy
+  hashes each parser-stream chunk's ``generate_chunk.request_id``, so every chunk of a stream reaches
+  the Ingress replica holding its live parser, header or not (:func:`hashes_stream_id`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -29,7 +33,35 @@ from ray.serve._private.constants import (
 from serve_app.errors import ApiError, BadRequestError, error_body
 from serve_app.wire import send_json
 
-__all__ = ["BodyDeadlineMiddleware", "RequestTimeoutError", "StrictHeadersMiddleware", "middlewares", "undecodable_header"]
+__all__ = [
+    "HAPROXY_BALANCE",
+    "BodyDeadlineMiddleware",
+    "RequestTimeoutError",
+    "StrictHeadersMiddleware",
+    "hashes_stream_id",
+    "middlewares",
+    "undecodable_header",
+]
+
+# Ray 2.60 writes RAY_SERVE_HAPROXY_BALANCE_ALGORITHM verbatim after `balance ` in HAProxy's `defaults`
+# section (ray/serve/_private/haproxy_templates.py) and offers no other way to add a directive there,
+# so the value carries two more lines. `req.body` is only there for `balance` once HAProxy has waited
+# for the body (`option http-buffer-request`: without it chunks spread over the replicas), and it holds
+# the first tune.bufsize bytes (16 KiB): json_query stops at the key, so the id is found in any body
+# whose `generate_chunk` comes before the growing `stream_state`, the order of vLLM's request model and
+# of its API document's example. Otherwise (no such key, or a body laid out state-first) HAProxy falls
+# back to round-robin: still right, only a miss and a replay. A client's x-session-id plays no part.
+# `hash-type consistent`: a replica joining or leaving moves only its own share of the streams.
+STREAM_ID_FIELD = "$.generate_chunk.request_id"
+HAPROXY_BALANCE = f"hash req.body,json_query('{STREAM_ID_FIELD}')\n    option http-buffer-request\n    hash-type consistent"
+
+
+def hashes_stream_id(env: Any = None) -> bool:
+    """Whether this Serve's front door keeps a parser stream's chunks on one Ingress replica by the
+    stream id in the body (HAProxy on, balanced by :data:`HAPROXY_BALANCE`). Ray starts the replicas
+    with the environment ``serve run`` (or ``ray start``) had, where Ray's HAProxy reads the same."""
+    env = os.environ if env is None else env
+    return env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" and STREAM_ID_FIELD in env.get("RAY_SERVE_HAPROXY_BALANCE_ALGORITHM", "")
 
 
 def _norm(name: str) -> str:
@@ -155,3 +187,7 @@ class BodyDeadlineMiddleware:
             await send(message)
 
         await self.app(scope, deadline_receive, closing_send)
+
+
+if __name__ == "__main__":  # `make run`: RAY_SERVE_HAPROXY_BALANCE_ALGORITHM="$(python -m serve_app.front_door)"
+    print(HAPROXY_BALANCE)

@@ -27,7 +27,7 @@ from serve_app.auth import ApiKeyMiddleware
 from serve_app.compose import ComposedService
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import ApiError, ServiceUnavailableError, envelope, error_body, validation_error
-from serve_app.front_door import BodyDeadlineMiddleware
+from serve_app.front_door import BodyDeadlineMiddleware, hashes_stream_id
 from serve_app.health import StageHealth, replica_gone, routable
 from serve_app.limits import BodySizeLimitMiddleware
 from serve_app.logs import get_logger
@@ -136,6 +136,9 @@ class Ingress:
         self.model = model
         # Where each stage runs (in this process when colocated, else by handle): serve_app/stages.py.
         self.stages = await build_stages(args, model, render, plain_derender, parser_derender, engine)
+        # make run's HAProxy hashes every chunk's stream id (front_door.HAPROXY_BALANCE): chunks without
+        # x-session-id then reach this replica again too, so they are parsed here, not sent to ParserDerender.
+        self.front_door_hashes = hashes_stream_id()
         self._replica = serve.get_replica_context()
         self._peers: Any = None  # this deployment's own handle, made at the first scrape (see /metrics)
         self._created = int(time.time())
@@ -239,12 +242,13 @@ class Ingress:
             local_parser=stages.local_parser is not None,
             header_session=header_session,
             stream_id=session_id,
+            front_door_hashes=self.front_door_hashes,
             remote_reachable=stages.local_parser is None or not unreachable(self.health, remote),
         )
         if target != "remote":
             # Local: a stream's chunks reach this replica again only if the front door hashes
-            # x-session-id (config.py, colocate_in_ingress); if not, they are still right (a miss
-            # replays the carried state), only slower, and /metrics counts the misses.
+            # x-session-id or the body's stream id (config.py, colocate_in_ingress); if not, they are
+            # still right (a miss replays the carried state), only slower, and /metrics counts the misses.
             return await self._parse_here(body, "unroutable" if target == "fallback" else None)
         # A stream's chunks go to the replica holding its live parser: Serve's consistent-hash router
         # keys on session_id, which the proxy only sets on the first hop, so it is re-applied here.

@@ -31,7 +31,13 @@ replica's parsers because no ParserDerender replica can take a stream chunk (``f
 
 
 def choose_derender(
-    *, has_parser: bool, local_parser: bool, header_session: str | None, stream_id: str | None, remote_reachable: bool
+    *,
+    has_parser: bool,
+    local_parser: bool,
+    header_session: str | None,
+    stream_id: str | None,
+    remote_reachable: bool,
+    front_door_hashes: bool = False,
 ) -> ChatDerenderTarget:
     """Where one chat derender request goes.
 
@@ -43,17 +49,20 @@ def choose_derender(
         stream_id: the stream chunk's request id (:func:`serve_app.wire.stream_id`); ``None`` for a
             whole request.
         remote_reachable: ParserDerender has a replica a call can reach (:func:`unreachable`).
+        front_door_hashes: the front door keeps every chunk of a stream on one Ingress replica by its
+            stream id (``make run``'s HAProxy: :func:`serve_app.front_door.hashes_stream_id`).
 
     Returns:
         ``plain`` without a parser; ``local`` for what the front door keeps on this replica (a whole
-        request, a stream sent with ``x-session-id``); ``remote`` for other stream chunks, keyed on
+        request, a stream sent with ``x-session-id``, any stream when the front door hashes its id);
+        ``remote`` for other stream chunks, keyed on
         the stream id so a stream meets its live parser; ``fallback`` for those when no
         ParserDerender replica can take them and this replica holds the parsers: the carried state
         is replayed here instead of waiting for a replacement replica to import vLLM.
     """
     if not has_parser:
         return "plain"
-    if local_parser and (header_session or stream_id is None):
+    if local_parser and (header_session or stream_id is None or front_door_hashes):
         return "local"
     if local_parser and not remote_reachable:
         return "fallback"

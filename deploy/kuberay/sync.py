@@ -314,7 +314,9 @@ def _serve_env() -> list[dict[str, str]]:
     """The Serve flags ``make run`` starts Ray with (the Makefile's ``SERVE_ENV``), for every Ray pod."""
     line = next(ln for ln in (ROOT / "Makefile").read_text().splitlines() if ln.startswith("SERVE_ENV :="))
     pairs = [kv.split("=", 1) for kv in shlex.split(line.split(":=", 1)[1])]
-    return [{"name": k, "value": v} for k, v in pairs]
+    from serve_app.front_door import HAPROXY_BALANCE  # the Makefile's FRONT_DOOR_BALANCE (three config lines)
+
+    return [{"name": k, "value": v} for k, v in pairs] + [{"name": "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM", "value": HAPROXY_BALANCE}]
 
 
 def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:

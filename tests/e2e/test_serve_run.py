@@ -27,8 +27,13 @@ URL = "http://127.0.0.1:8000"
 
 
 def _makefile_serve_env() -> dict[str, str]:
-    line = next(ln for ln in (ROOT / "Makefile").read_text().splitlines() if ln.startswith("SERVE_ENV :="))
-    return dict(kv.split("=", 1) for kv in shlex.split(line.split(":=", 1)[1]))
+    """``make run``'s environment: SERVE_ENV's pairs and FRONT_DOOR_BALANCE (front_door.HAPROXY_BALANCE)."""
+    from serve_app.front_door import HAPROXY_BALANCE
+
+    text = (ROOT / "Makefile").read_text()
+    line = next(ln for ln in text.splitlines() if ln.startswith("SERVE_ENV :="))
+    assert 'RAY_SERVE_HAPROXY_BALANCE_ALGORITHM="$$($(VENV)/bin/python -m serve_app.front_door)"' in text
+    return dict(kv.split("=", 1) for kv in shlex.split(line.split(":=", 1)[1])) | {"RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": HAPROXY_BALANCE}
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +87,7 @@ def test_serve_run_serve_config(served):
     )
     assert derendered["choices"][0]["text"] == "Hello world"
     _parser_streams_stay_on_one_ingress(rendered["token_ids"])
+    _headerless_streams_stay_on_one_ingress(rendered["token_ids"])
 
 
 def _post_until_ready(path: str, body: dict) -> dict:
@@ -116,6 +122,48 @@ def _parser_streams_stay_on_one_ingress(prompt: list[int]) -> None:
     misses = outcomes[-1].get("miss", 0) - outcomes[0].get("miss", 0)
     # One miss at most: HAProxy may add the second replica as a backend during the first stream.
     assert hits >= 4 * (len(output) - 1) - 1 and misses <= 1, (hits, misses)
+
+
+def _session_caches(base_url: str) -> dict[str, float]:
+    """Live parser sessions per replica holding them (``Ingress:<id>`` or a ParserDerender replica), from /metrics."""
+    prefix = 'serve_app_parser_session_cache_sessions{replica="'
+    lines = httpx.get(base_url + "/metrics", timeout=30).text.splitlines()
+    return {ln[len(prefix) :].split('"', 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(prefix)}
+
+
+def _headerless_streams_stay_on_one_ingress(prompt: list[int]) -> None:
+    """A client that speaks only vLLM's API (no x-session-id) gets the same: HAProxy hashes each chunk's
+    generate_chunk.request_id (front_door.HAPROXY_BALANCE), so every chunk after the first is a hit in
+    the cache of the Ingress replica that parsed the first, and ParserDerender holds none of the streams.
+    The streams are left unfinished, so their sessions are still cached when /metrics is read."""
+    from transformers import AutoTokenizer
+
+    from serve_app.models import ensure_model
+    from tests.integration.test_colocation import session_outcomes
+    from tests.integration.test_parser_derender import OUTPUT, _chunk_body
+
+    tok = AutoTokenizer.from_pretrained(ensure_model("qwen3-tiny"))
+    output = tok.encode(OUTPUT)
+    before, caches_before = session_outcomes(URL), _session_caches(URL)
+    streams = 6
+    with httpx.Client(base_url=URL, timeout=60) as c:  # one client for all: chunks share its connections
+        states: dict[str, object] = {}
+        for token in output:
+            for s in range(streams):  # interleaved, as concurrent streams arrive
+                sid = f"e2e-nohdr-{s}"
+                r = c.post("/v1/chat/completions/derender", json=_chunk_body(sid, [token], False, states.get(sid), prompt))
+                assert r.status_code == 200, r.text
+                states[sid] = r.json()["stream_state"]
+    after, caches_after = session_outcomes(URL), _session_caches(URL)
+    hits = after.get("hit", 0) - before.get("hit", 0)
+    misses = after.get("miss", 0) - before.get("miss", 0)
+    # One miss at most, as above (a backend HAProxy adds mid-stream); a replay would be a miss.
+    assert hits >= streams * (len(output) - 1) - 1 and misses <= 1, (hits, misses)
+
+    def grown(kind: bool) -> float:
+        return sum(v - caches_before.get(r, 0) for r, v in caches_after.items() if r.startswith("Ingress:") == kind)
+
+    assert streams <= grown(True) <= streams + misses and grown(False) == 0, (caches_before, caches_after)
 
 
 # --- the front door as `make run` starts it (issue 19, class 6; docs/operations.md, "Front door") ---

@@ -232,3 +232,52 @@ def test_a_stream_moving_replica_replays_to_identical_output(scaling_app, stream
     assert moved == unmoved
     assert unmoved_outcomes == ["new"] + ["hit"] * (len(output) - 1)
     assert moved_outcomes[switch] == "miss" and moved_outcomes[switch + 1 :] == ["hit"] * (len(output) - switch - 1)
+
+
+def test_client_stream_keeps_each_stream_on_its_live_parser(scaling_app, stream_inputs):
+    """``ServeAppClient.derender_chat_stream`` (by handle, no HTTP): chunk for chunk what the HTTP route
+    streams, and with several ParserDerender replicas every chunk after a stream's first is a hit on
+    the replica holding its parser (the client sets the routing session; without it chunks would
+    spread over the replicas and miss)."""
+    import asyncio
+
+    from serve_app.client import ServeAppClient
+
+    prompt, output = stream_inputs
+    assert _replicas() == 2  # test_autoscales_... scaled up (downscale_delay_s: an hour)
+
+    def same(chunk: dict) -> dict:  # the stream's request id is in each chunk's id
+        return {k: v for k, v in _normalize(chunk).items() if k != "id"}
+
+    over_http = [same(c) for c in _stream_http(scaling_app, "http", prompt, output)]
+
+    def stats() -> dict[str, tuple[int, int]]:
+        from ray import serve
+
+        replies = serve.get_deployment_handle("ParserDerender", app_name="parser_scaling").broadcast("stats").results(timeout_s=60)
+        return {s["replica"]: (s["hits"], s["misses"]) for s in replies}
+
+    async def streams(n: int) -> list[list[dict]]:
+        client = ServeAppClient("parser_scaling")
+
+        async def one(k: int) -> list[dict]:
+            stream = client.derender_chat_stream(chat_request=CHAT_REQUEST, prompt_token_ids=prompt)
+            chunks = []
+            for i, tid in enumerate(output):
+                last = "stop" if i == len(output) - 1 else None
+                choice = {"index": 0, "token_ids": [tid], "finish_reason": last}
+                out = await stream.derender({"request_id": f"client-{k}", "choices": [choice]})
+                assert out["stream_state"] == stream.stream_states[0]
+                chunks.append(same(out["chunk"]))
+            return chunks
+
+        return await asyncio.gather(*(one(k) for k in range(n)))
+
+    before = stats()
+    results = asyncio.run(streams(8))
+    after = stats()
+    assert all(chunks == over_http for chunks in results)
+    hits = sum(h for h, _ in after.values()) - sum(h for h, _ in before.values())
+    misses = sum(m for _, m in after.values()) - sum(m for _, m in before.values())
+    assert (hits, misses) == (8 * (len(output) - 1), 0)
+    assert sum(after[r][0] > before.get(r, (0, 0))[0] for r in after) == 2  # both replicas held streams

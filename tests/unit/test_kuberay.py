@@ -409,11 +409,13 @@ def test_every_pod_gets_hf_token_from_a_secret_and_the_hub_cache_on_the_model_vo
 
 @pytest.mark.parametrize("output", OUTPUTS)
 def test_every_container_starts_ray_with_make_runs_serve_env(output):
+    from serve_app.front_door import HAPROXY_BALANCE
+
     line = next(ln for ln in (ROOT / "Makefile").read_text().splitlines() if ln.startswith("SERVE_ENV :="))
     assert "RAY_SERVE_ENABLE_HA_PROXY=1" in line
     for container in _containers(_docs(output)["RayService"]):
         env = _env(container)
-        assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and env["RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"] == "hdr(x-session-id)"
+        assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and env["RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"] == HAPROXY_BALANCE
 
 
 # -- placement ---------------------------------------------------------------------------------------
