@@ -176,7 +176,31 @@ async def build_render_state(args: AppArgs, model: ResolvedModel, extra_argv: li
     )
     state = State()
     await init_render_app_state(vllm_config, state, ns)
+    _tokenize_big_prompts_apart(state.online_renderer.renderer)
     return RenderState(state)
+
+
+BIG_PROMPT_CHARS = 1 << 15
+"""Prompt text longer than this is tokenized in its own worker thread (:func:`_tokenize_big_prompts_apart`)."""
+
+
+def _tokenize_big_prompts_apart(renderer: Any) -> None:
+    """vLLM tokenizes every prompt in one worker thread (``renderer_num_workers`` 1), so one long text
+    (a 2 MB ``/tokenize`` prompt: over a second; vLLM bounds only what has a token limit) held up every
+    request of the replica behind it. Long texts get a worker of their own, so a short one never waits
+    for them. Safe: vLLM's HF tokenizer lends each thread its own copy (``maybe_make_thread_pool``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm.utils.async_utils import make_async
+
+    short = renderer._tokenize_prompt_async
+    long = make_async(renderer._tokenize_prompt, executor=ThreadPoolExecutor(1, thread_name_prefix="render-long-prompts"))
+
+    def tokenize(prompt: Any, params: Any) -> Any:
+        text = prompt.get("prompt") if isinstance(prompt, dict) else None
+        return (long if isinstance(text, str) and len(text) > BIG_PROMPT_CHARS else short)(prompt, params)
+
+    renderer._tokenize_prompt_async = tokenize
 
 
 async def call_vllm(coro: Any, error_cls: type) -> Any:
