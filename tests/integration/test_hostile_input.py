@@ -121,21 +121,22 @@ def test_an_integer_the_engine_cannot_carry_is_a_400_on_the_composed_api(client,
 
 
 # Issue 19: no single request holds up the replica it lands on. Each heavy body is inside every bound
-# (a 200 or a 4xx) and costs the replica real work: render and plain derender run in the Ingress
-# replica here, chat derender in the ParserDerender replica. A small request sent meanwhile to the
-# same replica must finish while the heavy one is still running.
-_CANDIDATES = {str(i): {"logprob": -1.0, "rank": i + 1, "decoded_token": "a"} for i in range(20)}
+# (a 200 or a 4xx) and costs the replica a second or more of work: render and plain derender run in
+# the Ingress replica here, chat derender in the ParserDerender replica. A small request sent meanwhile
+# to the same replica must finish while the heavy one is still running. (Bodies that a bound refuses
+# at once, such as a 2 MB chat message or a 100 KB model name, are tested above as 4xx answers.)
+_CANDIDATES = {str(i): {"logprob": -1.0, "rank": i + 1, "decoded_token": "a"} for i in range(60)}
 _PROMPT_LOGPROBS = [None] + [_CANDIDATES] * 4000
 _SMALL_TOKENIZE = ("/tokenize", {"prompt": "Hello world"})
 _SMALL_CHAT_DERENDER = ("/v1/chat/completions/derender", ROUTES["/v1/chat/completions/derender"])
 HEAVY: dict[str, tuple[str, dict[str, Any], tuple[str, dict[str, Any]]]] = {
-    "16384 one-token completion choices": (
+    "16384 choices of 32 tokens, completion": (
         "/v1/completions/derender",
         {
             "generate_responses": [
                 {
                     "request_id": "g",
-                    "choices": [{"index": i, "token_ids": [9707], "finish_reason": "length", "stop_reason": None} for i in range(16384)],
+                    "choices": [{"index": i, "token_ids": [9707, 1879] * 16, "finish_reason": "length"} for i in range(16384)],
                 }
             ],
             "prompt_token_ids": [[9707]],
@@ -144,7 +145,7 @@ HEAVY: dict[str, tuple[str, dict[str, Any], tuple[str, dict[str, Any]]]] = {
         },
         _SMALL_TOKENIZE,
     ),
-    "80k prompt_logprobs entries, completion": (
+    "240k prompt_logprobs entries, completion": (
         "/v1/completions/derender",
         {
             "generate_responses": [
@@ -160,7 +161,7 @@ HEAVY: dict[str, tuple[str, dict[str, Any], tuple[str, dict[str, Any]]]] = {
         },
         _SMALL_TOKENIZE,
     ),
-    "80k prompt_logprobs entries, chat (parser)": (
+    "240k prompt_logprobs entries, chat (parser)": (
         "/v1/chat/completions/derender",
         {
             "generate_response": {
@@ -174,13 +175,15 @@ HEAVY: dict[str, tuple[str, dict[str, Any], tuple[str, dict[str, Any]]]] = {
         },
         _SMALL_CHAT_DERENDER,
     ),
-    "a 2 MB prompt to tokenize": ("/tokenize", {"prompt": "hello world " * 170_000}, _SMALL_TOKENIZE),
-    "a 2 MB chat message to render": (
-        "/v1/chat/completions/render",
-        {"messages": [{"role": "user", "content": "hello world " * 170_000}], "max_tokens": 4},
-        _SMALL_TOKENIZE,
+    "2048 one-token choices, chat (parser)": (
+        "/v1/chat/completions/derender",
+        {
+            "generate_response": {"request_id": "g", "choices": [{"index": i, "token_ids": [9707]} for i in range(2048)]},
+            "chat_request": {"messages": MESSAGES},
+        },
+        _SMALL_CHAT_DERENDER,
     ),
-    "a 100 KB model name": ("/v1/chat/completions/render", {**ROUTES["/v1/chat/completions/render"], "model": LONG_MODEL}, _SMALL_TOKENIZE),
+    "a 2 MB prompt to tokenize": ("/tokenize", {"prompt": "hello world " * 170_000}, _SMALL_TOKENIZE),
 }
 
 
