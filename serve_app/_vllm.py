@@ -194,7 +194,8 @@ def _tokenize_big_prompts_apart(renderer: Any) -> None:
     from vllm.utils.async_utils import make_async
 
     short = renderer._tokenize_prompt_async
-    long = make_async(renderer._tokenize_prompt, executor=ThreadPoolExecutor(1, thread_name_prefix="render-long-prompts"))
+    # Looked up per call: whatever _tokenize_prompt is installed (the prompt cache wraps it).
+    long = make_async(lambda *a: renderer._tokenize_prompt(*a), executor=ThreadPoolExecutor(1, thread_name_prefix="render-long-prompts"))
 
     def tokenize(prompt: Any, params: Any) -> Any:
         text = prompt.get("prompt") if isinstance(prompt, dict) else None
