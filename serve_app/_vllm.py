@@ -200,6 +200,7 @@ async def build_render_state(args: AppArgs, model: ResolvedModel, extra_argv: li
     )
     state = State()
     await init_render_app_state(vllm_config, state, ns)
+    _tokenize_big_prompts_apart(state.online_renderer.renderer)
     return RenderState(state)
 
 
@@ -260,7 +261,32 @@ def install_prompt_cache(state: RenderState, max_bytes: int) -> tuple[Any, str]:
     renderer._tokenize_prompt = tokenize_prompt
     # vLLM bound the async twin to the old method when the renderer was built; it is replaced too.
     renderer._tokenize_prompt_async = tokenize_prompt_async
+    _tokenize_big_prompts_apart(renderer)  # again: around the twin just installed
     return encoder, reason
+
+
+BIG_PROMPT_CHARS = 1 << 15
+"""Prompt text longer than this is tokenized in its own worker thread (:func:`_tokenize_big_prompts_apart`)."""
+
+
+def _tokenize_big_prompts_apart(renderer: Any) -> None:
+    """vLLM tokenizes every prompt in one worker thread (``renderer_num_workers`` 1), so one long text
+    (a 2 MB ``/tokenize`` prompt: over a second; vLLM bounds only what has a token limit) held up every
+    request of the replica behind it. Long texts get a worker of their own, so a short one never waits
+    for them. Safe: vLLM's HF tokenizer lends each thread its own copy (``maybe_make_thread_pool``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm.utils.async_utils import make_async
+
+    short = renderer._tokenize_prompt_async
+    # Looked up per call: whatever _tokenize_prompt is installed (the prompt cache wraps it).
+    long = make_async(lambda *a: renderer._tokenize_prompt(*a), executor=ThreadPoolExecutor(1, thread_name_prefix="render-long-prompts"))
+
+    def tokenize(prompt: Any, params: Any) -> Any:
+        text = prompt.get("prompt") if isinstance(prompt, dict) else None
+        return (long if isinstance(text, str) and len(text) > BIG_PROMPT_CHARS else short)(prompt, params)
+
+    renderer._tokenize_prompt_async = tokenize
 
 
 async def call_vllm(coro: Any, error_cls: type) -> Any:

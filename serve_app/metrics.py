@@ -35,7 +35,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
@@ -112,6 +112,11 @@ class HttpMetrics:
             registry=self.registry,
         )
         self._stream_routes: set[str] = set()
+        self.in_flight = Gauge(
+            "serve_app_http_requests_in_flight",
+            "HTTP requests this Ingress replica is serving now, open streams included.",
+            registry=self.registry,
+        )
 
         self.parser_sessions = Counter(
             "serve_app_parser_session_chunks",
@@ -249,6 +254,7 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         start = scope[_START] = time.perf_counter()
+        self.metrics.in_flight.inc()
         status: int | None = None  # as sent in http.response.start
         finished = disconnected = False
         in_band: int | None = None  # the code of an error frame sent inside a started stream
@@ -282,6 +288,7 @@ class MetricsMiddleware:
             raised = envelope(exc)[0]  # what the outermost handler answers, if nothing was sent
             raise
         finally:
+            self.metrics.in_flight.dec()
             route = _template(scope)
             failed: int | None = None
             if status is None:  # nothing sent

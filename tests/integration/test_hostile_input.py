@@ -118,3 +118,97 @@ def test_an_integer_the_engine_cannot_carry_is_a_400_on_the_composed_api(client,
     assert error["code"] == 400 and "chat_template_kwargs" in error["param"] and "out of range" in error["message"]
     ok = _post(client, "/v1/chat/completions", {**body, "chat_template_kwargs": {"": 2**63 - 1}})
     assert ok.status_code == 200, ok.text
+
+
+# Issue 19: no single request holds up the replica it lands on. Each heavy body is inside every bound
+# (a 200 or a 4xx) and costs the replica a second or more of work: render and plain derender run in
+# the Ingress replica here, chat derender in the ParserDerender replica. A small request sent meanwhile
+# to the same replica must finish while the heavy one is still running. (Bodies that a bound refuses
+# at once, such as a 2 MB chat message or a 100 KB model name, are tested above as 4xx answers.)
+_CANDIDATES = {str(i): {"logprob": -1.0, "rank": i + 1, "decoded_token": "a"} for i in range(60)}
+_PROMPT_LOGPROBS = [None] + [_CANDIDATES] * 4000
+_SMALL_TOKENIZE = ("/tokenize", {"prompt": "Hello world"})
+_SMALL_CHAT_DERENDER = ("/v1/chat/completions/derender", ROUTES["/v1/chat/completions/derender"])
+HEAVY: dict[str, tuple[str, dict[str, Any], tuple[str, dict[str, Any]]]] = {
+    "16384 choices of 32 tokens, completion": (
+        "/v1/completions/derender",
+        {
+            "generate_responses": [
+                {
+                    "request_id": "g",
+                    "choices": [{"index": i, "token_ids": [9707, 1879] * 16, "finish_reason": "length"} for i in range(16384)],
+                }
+            ],
+            "prompt_token_ids": [[9707]],
+            "prompt_tokens": [1],
+            "completion_request": {"prompt": "Hi"},
+        },
+        _SMALL_TOKENIZE,
+    ),
+    "240k prompt_logprobs entries, completion": (
+        "/v1/completions/derender",
+        {
+            "generate_responses": [
+                {
+                    "request_id": "g",
+                    "prompt_logprobs": _PROMPT_LOGPROBS,
+                    "choices": [{"index": 0, "token_ids": [9707], "finish_reason": "length"}],
+                }
+            ],
+            "prompt_token_ids": [[9707] * 4001],
+            "prompt_tokens": [4001],
+            "completion_request": {"prompt": "Hi"},
+        },
+        _SMALL_TOKENIZE,
+    ),
+    "240k prompt_logprobs entries, chat (parser)": (
+        "/v1/chat/completions/derender",
+        {
+            "generate_response": {
+                "request_id": "g",
+                "prompt_logprobs": _PROMPT_LOGPROBS,
+                "choices": [{"index": 0, "token_ids": [9707], "finish_reason": "length"}],
+            },
+            "prompt_token_ids": [9707] * 4001,
+            "prompt_tokens": 4001,
+            "chat_request": {"messages": MESSAGES},
+        },
+        _SMALL_CHAT_DERENDER,
+    ),
+    "2048 one-token choices, chat (parser)": (
+        "/v1/chat/completions/derender",
+        {
+            "generate_response": {"request_id": "g", "choices": [{"index": i, "token_ids": [9707]} for i in range(2048)]},
+            "chat_request": {"messages": MESSAGES},
+        },
+        _SMALL_CHAT_DERENDER,
+    ),
+    "a 2 MB prompt to tokenize": ("/tokenize", {"prompt": "hello world " * 170_000}, _SMALL_TOKENIZE),
+}
+
+
+def _in_flight(client: httpx.Client) -> float:
+    """Requests the Ingress replicas are serving now (this scrape included), from /metrics."""
+    text = client.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("serve_app_http_requests_in_flight"))
+
+
+@pytest.mark.parametrize("kind", list(HEAVY))
+def test_a_small_request_finishes_while_a_heavy_one_on_its_replica_runs(client, kind):
+    route, body, (small_route, small_body) = HEAVY[kind]
+    expected_small = _post(client, small_route, small_body)
+    assert expected_small.status_code == 200, expected_small.text[:300]
+    with ThreadPoolExecutor(1) as pool:
+        heavy = pool.submit(_post, client, route, body)
+        while not heavy.done() and _in_flight(client) < 2:  # the heavy request and this scrape
+            pass
+        # Several small requests one after another, each finishing before the heavy one: a replica
+        # whose event loop the heavy request held would answer them only after it.
+        finished_first = 0
+        while not heavy.done() and finished_first < 3:
+            small = _post(client, small_route, small_body)
+            assert small.status_code == 200 and small.json() == expected_small.json(), small.text[:300]
+            finished_first += not heavy.done()
+        answer = heavy.result()
+    assert answer.status_code < 500, answer.text[:300]
+    assert finished_first == 3, f"only {finished_first} small requests finished before the heavy one ({kind})"
