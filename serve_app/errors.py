@@ -20,6 +20,7 @@ __all__ = [
     "BadRequestError",
     "EngineStreamError",
     "GatewayTimeoutError",
+    "InvalidChatRequest",
     "NotFoundError",
     "PayloadTooLargeError",
     "RequestValidationFailed",

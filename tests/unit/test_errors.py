@@ -147,12 +147,9 @@ def test_long_messages_are_truncated_with_a_marker():
     assert sanitize_message("y" * 16384) == "y" * 16384
 
 
-def test_not_found_for_a_hostile_model_name_is_fast_and_enveloped():
-    import time
-
-    start = time.perf_counter()
+def test_not_found_for_a_hostile_model_name_is_enveloped_and_truncated():
+    # (its time, against vLLM's backtracking sanitiser: bench/hostile_bench.py)
     status, body = envelope(NotFoundError(f"The model `{'/a' * 10_000}` does not exist.", param="model"))
-    assert time.perf_counter() - start < 0.5
     assert status == 404 and body["error"]["code"] == 404 and body["error"]["message"].endswith("...[truncated]")
 
 
