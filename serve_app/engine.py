@@ -28,6 +28,7 @@ from ray import serve
 from serve_app._vllm import call_vllm
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import BadRequestError, EngineStreamError
+from serve_app.heap import freeze_startup_heap
 from serve_app.placement import placement_options
 from serve_app.wire import check_engine_ints, dump_json, load_body, validate_model
 
@@ -194,6 +195,7 @@ class Engine:
 
     async def __init__(self, args: AppArgs, model: ResolvedModel) -> None:  # type: ignore[misc]  # Serve awaits it
         self.service = await EngineService.create(args, model)
+        freeze_startup_heap()
 
     async def generate(self, body: bytes | dict, headers: dict[str, str] | None = None) -> bytes:
         return await self.service.generate(body, headers)

@@ -29,6 +29,7 @@ from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import ApiError, ServiceUnavailableError, envelope, error_body, validation_error
 from serve_app.front_door import BodyDeadlineMiddleware, hashes_stream_id
 from serve_app.health import StageHealth, replica_gone, routable
+from serve_app.heap import freeze_startup_heap
 from serve_app.limits import BodySizeLimitMiddleware
 from serve_app.logs import get_logger
 from serve_app.metrics import CONTENT_TYPE_LATEST, HttpMetrics, MetricsMiddleware
@@ -153,6 +154,7 @@ class Ingress:
             api.add_middleware(ApiKeyMiddleware, keys=keys)
         api.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts 401s and 413s too
         api.middleware_stack = None  # rebuilt on the first request with the middleware above
+        freeze_startup_heap()
 
     @api.api_route("/health", methods=["GET", "HEAD"])
     async def health(self) -> Response:

@@ -24,6 +24,7 @@ from ray import serve
 from serve_app._vllm import call_vllm, install_prompt_cache
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import BadRequestError
+from serve_app.heap import freeze_startup_heap
 from serve_app.render_cache import DEFAULT_MAX_BYTES
 from serve_app.wire import dump_json, load_body, validate_model
 
@@ -190,6 +191,7 @@ class Render:
 
     async def __init__(self, args: AppArgs, model: ResolvedModel) -> None:  # type: ignore[misc]  # Serve awaits it
         self.service = await RenderService.create(args, model)
+        freeze_startup_heap()
 
     async def chat(self, body: bytes, request_id: str | None = None) -> bytes:
         return await self.service.chat(body, request_id)

@@ -29,6 +29,7 @@ __all__ = [
     "output_ids",
     "output_work",
     "stream_state_400",
+    "validate_in_slices",
 ]
 
 logger = get_logger(__name__)
@@ -228,3 +229,60 @@ def stream_state_400(
         message = f"invalid stream_state: {failed} failed"
         logger.info(message, exc_info=True)
         raise BadRequestError(f"{message} ({exc})" if detail else message) from None
+
+
+# --- long lists validated slice by slice --------------------------------------------------------
+
+_SLICE = 64  # list items per pydantic call: a few ms of GIL at the densest (a position's candidates)
+
+
+def validate_in_slices(data: Any) -> None:
+    """Validate a freshly parsed body's long logprob lists (``prompt_logprobs``, each choice's
+    ``logprobs.content``) slice by slice, in place, before the whole body's validation.
+
+    One pydantic call holds the GIL for its whole run: 240k prompt-logprob entries in one call held it
+    ~1.5 s, so the replica's event loop stalled although the call ran in the worker thread. Between
+    slices the loop gets the GIL back. The whole body's validation then takes the validated models
+    as they are. A slice that fails leaves its list raw, so that validation words the error, with
+    its own locations, exactly as before.
+    """
+    if not isinstance(data, dict):
+        return
+    gens = _list(data.get("generate_responses")) + [data.get("generate_response"), data.get("generate_chunk")]
+    for gen in gens:
+        if not isinstance(gen, dict):
+            continue
+        _slices(gen, "prompt_logprobs", _adapter("prompt_logprobs"))
+        for choice in _list(gen.get("choices")):
+            logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+            if isinstance(logprobs, dict):
+                _slices(logprobs, "content", _adapter("content"))
+
+
+def _slices(owner: dict[str, Any], key: str, adapter: Any) -> None:
+    from pydantic import ValidationError
+
+    items = owner.get(key)
+    if not isinstance(items, list) or len(items) <= _SLICE:
+        return
+    done: list[Any] = []
+    try:
+        for i in range(0, len(items), _SLICE):
+            done.extend(adapter.validate_python(items[i : i + _SLICE], from_attributes=True))
+    except (ValidationError, RecursionError, ValueError, TypeError):
+        return
+    owner[key] = done
+
+
+_ADAPTERS: dict[str, Any] = {}
+
+
+def _adapter(name: str) -> Any:
+    if name not in _ADAPTERS:
+        from pydantic import TypeAdapter
+
+        from serve_app.protocol import GenerateLogProbsContent, Logprob
+
+        types = {"prompt_logprobs": list[dict[int, Logprob] | None], "content": list[GenerateLogProbsContent]}
+        _ADAPTERS[name] = TypeAdapter(types[name])
+    return _ADAPTERS[name]

@@ -22,11 +22,13 @@ from serve_app.derender.tokenizer import DetokTokenizer
 from serve_app.errors import NotFoundError
 
 __all__ = [
+    "OFFLOAD_BODY_BYTES",
     "OFFLOAD_EXECUTOR",
     "OFFLOAD_WORK",
     "DerenderLimits",
     "DerenderModel",
     "run_inline",
+    "is_big_body",
     "run_off_loop",
     "run_sync",
     "stop_if_caller_gone",
@@ -92,6 +94,16 @@ class DerenderModel:
 OFFLOAD_WORK = 4096
 """Token ids plus logprob entries from which ``*_async`` decode in a worker thread (~10 ms of work
 and up, at ~2 us a token and ~7 us a logprob entry); below it, the work costs less than the hop."""
+
+OFFLOAD_BODY_BYTES = 1 << 20
+"""Raw bodies from which ``*_async`` also parse and bound the JSON in the worker thread: parsing and
+counting a 14 MB body of prompt logprobs took ~0.7 s, which on the event loop held up every request
+of the replica (~15 ms at this size)."""
+
+
+def is_big_body(body: Any) -> bool:
+    return isinstance(body, (bytes, bytearray, str)) and len(body) >= OFFLOAD_BODY_BYTES
+
 
 # One worker, shared by every derender service in the process (plain, and the parser path's
 # ``ParserDerenderService``, which a colocated Ingress runs next to it): decoding and parsing hold

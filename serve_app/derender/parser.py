@@ -14,6 +14,7 @@ from ray import serve
 
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.derender.parser_service import ParserDerenderService
+from serve_app.heap import freeze_startup_heap
 
 __all__ = ["ParserDerender", "build_parser_service", "session_stats"]
 
@@ -44,6 +45,7 @@ class ParserDerender:
     async def __init__(self, args: AppArgs, model: ResolvedModel) -> None:  # type: ignore[misc]  # Serve awaits it
         self.service = await build_parser_service(args, model)
         self.replica = serve.get_replica_context().replica_id.unique_id
+        freeze_startup_heap()
 
     # Async on purpose: a cache hit is well under a millisecond of work, less than a thread-pool hop,
     # and runs inline; the service's async twins move the heavy cases (a long non-streaming output,

@@ -49,8 +49,9 @@ from serve_app.derender.checks import (
     check_stream_window,
     output_work,
     stream_state_400,
+    validate_in_slices,
 )
-from serve_app.derender.model import OFFLOAD_WORK, DerenderModel, run_inline, run_off_loop, run_sync
+from serve_app.derender.model import OFFLOAD_WORK, DerenderModel, is_big_body, run_inline, run_off_loop, run_sync
 from serve_app.derender.request import RequestConfig, RequestConfigs, parser_config
 from serve_app.derender.sessions import SessionCache, prompt_key
 from serve_app.derender.streams import ChatStream, ParserSession, state_key
@@ -146,8 +147,7 @@ class ParserDerenderService:
         lookup missed and must replay a long carried history (the checks and the lookup run first,
         here: a hit's delta parses inline, whatever the history).
         """
-        data = load_body(body)
-        check_size(data, self.model.limits)
+        data = await run(self._sized, body) if is_big_body(body) else self._sized(body)
         if not (isinstance(data, dict) and data.get("stream") is True):
             gen = data.get("generate_response") if isinstance(data, dict) else None
             if output_work(gen, _PARSER_CHOICE_WORK) >= OFFLOAD_WORK:
@@ -164,6 +164,14 @@ class ParserDerenderService:
         else:
             chunk, state, outcome = self._answer_chunk(opened)
         return _chunk_bytes(chunk, state), outcome
+
+    def _sized(self, body: bytes | dict) -> Any:
+        """The parsed body, bounded as a whole."""
+        data = load_body(body)
+        check_size(data, self.model.limits)
+        if is_big_body(body):  # our own parse: safe to fill in place
+            validate_in_slices(data)
+        return data
 
     def _chat_data(self, data: Any) -> tuple[bytes, SessionOutcome]:
         """A parsed, size-checked body (not a stream chunk, as the dispatcher sorts them) to its answer."""

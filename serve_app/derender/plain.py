@@ -13,6 +13,7 @@ from ray import serve
 
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.derender.plain_service import PlainDerenderService
+from serve_app.heap import freeze_startup_heap
 
 __all__ = ["PlainDerender", "build_plain_service"]
 
@@ -37,6 +38,7 @@ class PlainDerender:
 
     def __init__(self, args: AppArgs, model: ResolvedModel) -> None:
         self.service = build_plain_service(args, model)
+        freeze_startup_heap()
 
     # Async on purpose: a chunk is tens of microseconds of work, less than a thread-pool hop; the
     # service moves only big requests to its worker thread, so health checks keep being answered.

@@ -21,8 +21,8 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from serve_app.derender.checks import check_bounds, check_prompt_ids, check_size, stream_state_400
-from serve_app.derender.model import OFFLOAD_WORK, DerenderModel, run_off_loop
+from serve_app.derender.checks import check_bounds, check_prompt_ids, check_size, stream_state_400, validate_in_slices
+from serve_app.derender.model import OFFLOAD_WORK, DerenderModel, is_big_body, run_off_loop
 from serve_app.derender.request import RequestConfig
 from serve_app.derender.streams import PlainChatStream, PlainCompletionStream, PlainStream
 from serve_app.derender.whole import plain_chat, plain_completion
@@ -41,6 +41,14 @@ __all__ = ["PlainDerenderService"]
 
 _CHAT = TypeAdapter(DerenderChatRequestUnion)
 _COMPLETION = TypeAdapter(DerenderCompletionRequestUnion)
+
+
+async def _decode_async(decode: Callable[[Any], bytes], sized: Callable[[Any], tuple[Any, int]], body: Any) -> bytes:
+    """``decode(sized(body)[0])`` for a caller on an event loop: all of it in the worker thread for a
+    big raw body, else the decoding only, when the parsed request is big."""
+    if is_big_body(body):
+        return await run_off_loop(lambda: decode(sized(body)[0]))
+    return await _off_loop_if_big(decode, *sized(body))
 
 
 async def _off_loop_if_big(decode: Callable[[Any], bytes], data: Any, work: int) -> bytes:
@@ -85,14 +93,17 @@ class PlainDerenderService:
     def _sized(self, body: bytes | dict) -> tuple[Any, int]:
         """The parsed body, bounded as a whole, and its work (token ids plus logprob entries)."""
         data = load_body(body)
-        return data, check_size(data, self.model.limits)
+        work = check_size(data, self.model.limits)
+        if is_big_body(body):  # our own parse: safe to fill in place
+            validate_in_slices(data)
+        return data, work
 
     def chat(self, body: bytes | dict) -> bytes:
         return self._chat(self._sized(body)[0])
 
     async def chat_async(self, body: bytes | dict) -> bytes:
         """:meth:`chat` for a caller on an event loop: a big request decodes in a worker thread."""
-        return await _off_loop_if_big(self._chat, *self._sized(body))
+        return await _decode_async(self._chat, self._sized, body)
 
     def _chat(self, data: Any) -> bytes:
         request = validate_model(_CHAT, data)
@@ -119,7 +130,7 @@ class PlainDerenderService:
 
     async def completion_async(self, body: bytes | dict) -> bytes:
         """:meth:`completion` for a caller on an event loop: a big request decodes in a worker thread."""
-        return await _off_loop_if_big(self._completion, *self._sized(body))
+        return await _decode_async(self._completion, self._sized, body)
 
     def _completion(self, data: Any) -> bytes:
         request = validate_model(_COMPLETION, data)

@@ -85,9 +85,7 @@ class TestTokens:
     def test_output_and_prompt_token_ids_count_together(self, service, kind):
         gen = _gen([_choice(0, [9707] * 40)])
         prompt = [9707] * 25
-        body = (
-            {"generate_response": gen, "prompt_token_ids": prompt} if kind == "chat" else _completion(gen, prompt_token_ids=[prompt])
-        )
+        body = {"generate_response": gen, "prompt_token_ids": prompt} if kind == "chat" else _completion(gen, prompt_token_ids=[prompt])
         assert _message(_answer(service, kind, body)) == (
             "token_ids count (65) in request exceeds server maximum (64). Set limits.max_derender_tokens to increase this limit."
         )
@@ -107,8 +105,7 @@ class TestLogprobs:
     def test_sampled_and_top_entries_count_together(self, service):
         body = {"generate_response": _gen([_choice(0, [100, 101, 102, 103], _lp(4, 2))])}
         assert _message(_answer(service, "chat", body)) == (
-            "logprobs entries count (12) in request exceeds server maximum (10). "
-            "Set limits.max_derender_logprobs to increase this limit."
+            "logprobs entries count (12) in request exceeds server maximum (10). Set limits.max_derender_logprobs to increase this limit."
         )
 
     def test_entries_at_the_bound_pass(self, service):
@@ -153,3 +150,61 @@ class TestCheckSize:
         assert (limits.max_derender_choices, limits.max_derender_tokens, limits.max_derender_logprobs) == (16384, 1 << 21, 1 << 20)
         defaults = DerenderLimits(4096, 20, 16384)
         assert (defaults.max_choices, defaults.max_tokens, defaults.max_logprob_entries) == (16384, 1 << 21, 1 << 20)
+
+
+class TestValidateInSlices:
+    """Long logprob lists are validated slice by slice (each pydantic call holds the GIL for its whole
+    run); the whole body's validation must then give the same request, and the same error, as before."""
+
+    @staticmethod
+    def _body(positions: int, bad_at: int | None = None) -> dict:
+        candidates = {str(i): {"logprob": -1.0 - i, "rank": i + 1, "decoded_token": f"t{i}"} for i in range(3)}
+        prompt_logprobs: list = [None] + [dict(candidates) for _ in range(positions)]
+        entry = {"token_id": 5, "logprob": -0.5, "rank": 1, "top_logprobs": [{"token_id": 6, "logprob": -1.5, "rank": 2}]}
+        content = [dict(entry) for _ in range(positions)]
+        if bad_at is not None:
+            prompt_logprobs[bad_at] = {"7": {"logprob": "not a number"}}
+            content[bad_at] = {**entry, "token_id": -1}
+        return {
+            "generate_responses": [
+                {
+                    "request_id": "r",
+                    "prompt_logprobs": prompt_logprobs,
+                    "choices": [{"index": 0, "token_ids": [5] * positions, "logprobs": {"content": content}}],
+                }
+            ],
+            "prompt_token_ids": [[5] * (positions + 1)],
+        }
+
+    def _validate(self, body: dict):
+        from serve_app.derender.plain_service import _COMPLETION
+        from serve_app.wire import validate_model
+
+        return validate_model(_COMPLETION, body)
+
+    @pytest.mark.parametrize("positions", [1, 64, 65, 200])
+    def test_the_request_equals_whole_validation(self, positions):
+        import copy
+
+        from serve_app.derender.checks import validate_in_slices
+
+        body = self._body(positions)
+        sliced = copy.deepcopy(body)
+        validate_in_slices(sliced)
+        assert self._validate(sliced) == self._validate(body)
+
+    @pytest.mark.parametrize("bad_at", [1, 70, 199])
+    def test_an_invalid_entry_is_worded_as_whole_validation_words_it(self, bad_at):
+        import copy
+
+        from serve_app.derender.checks import validate_in_slices
+        from serve_app.errors import ApiError
+
+        body = self._body(200, bad_at)
+        sliced = copy.deepcopy(body)
+        validate_in_slices(sliced)
+        with pytest.raises(ApiError) as whole:
+            self._validate(body)
+        with pytest.raises(ApiError) as in_slices:
+            self._validate(sliced)
+        assert str(in_slices.value) == str(whole.value) and in_slices.value.param == whole.value.param
