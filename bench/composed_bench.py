@@ -136,22 +136,24 @@ def start_profile(seconds: float, tag: str) -> list[tuple[str, subprocess.Popen,
     return procs
 
 
+_PARKED = {"Thread.run", "Worker.main_loop", "_PollLikeSelector.select", "wait", "select"}
+_OUTER = {"Thread._bootstrap", "Thread._bootstrap_inner", "<module>"}
+
+
 def top_frames(path: Path, n: int = 25) -> dict[str, Any]:
     """Samples by leaf-most frame of our code / Ray / vLLM, and inclusive samples per function, from py-spy raw output."""
     inclusive: Counter[str] = Counter()
     total = 0
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if not count.isdigit():
+        frames = [f.split(" (", 1)[0] for f in stack.split(";")]
+        # A thread parked in C (an event loop's poll, Ray's core worker loop) is not work.
+        if not count.isdigit() or frames[-1] in _PARKED:
             continue
         k = int(count)
         total += k
-        seen = set()
-        for frame in stack.split(";"):
-            name = frame.split(" (", 1)[0] + " " + frame.rsplit("/", 1)[-1].rstrip(")") if " (" in frame else frame
-            if name not in seen:
-                seen.add(name)
-                inclusive[name] += k
+        for name in set(frames) - _PARKED - _OUTER:
+            inclusive[name] += k
     return {"samples": total, "inclusive": [(f, c, round(c / max(total, 1), 3)) for f, c in inclusive.most_common(n)]}
 
 
@@ -226,13 +228,18 @@ def start_ours(setup: dict[str, Any]) -> str:
     return base
 
 
-_NOT_TIER = {"vllm engine-core", "engine-core", "client", "other"}
+_NOT_OURS = {"vllm api", "vllm engine-core", "engine-core", "client", "other"}
 
 
 def _tier(case: dict[str, Any]) -> float | None:
-    """CPU ms per output token of the serving tier: every process but the engine core, the client and noise."""
+    """CPU ms per output token of the system's serving tier, its engine core aside: ``vllm serve``'s API
+    server; ours, every process of the Ray cluster but the EngineCore (idle ones included: they are ours)."""
     cpu = case.get("cpu_ms_per_token")
-    return sum(v for k, v in cpu.items() if k not in _NOT_TIER) if cpu else None
+    if not cpu:
+        return None
+    if case["system"] == "vllm":
+        return cpu.get("vllm api", 0.0)
+    return sum(v for k, v in cpu.items() if k not in _NOT_OURS)
 
 
 def render_report(data: dict[str, Any]) -> str:
@@ -294,9 +301,12 @@ def render_report(data: dict[str, Any]) -> str:
         "",
         "From `/proc/<pid>/stat` over each case. *vllm api* / *vllm engine-core*: coupled `vllm serve`'s two processes; "
         "*Engine* is our engine replica (AsyncLLM's front end, Serve), *engine-core* its EngineCore; *client* is "
-        "`vllm bench serve`; *other* is the rest of the machine (noise).",
+        "`vllm bench serve`; *other* is the rest of the machine (noise). Each case's window includes the client's "
+        "start-up (~20-30 s of imports on this box) and warm-up requests, during which both servers idle but ours' Ray "
+        "processes still run Serve's metrics export loops (every 100 ms, `RAY_SERVE_METRICS_EXPORT_INTERVAL_MS`): at c=1 "
+        "(few tokens) the per-token figures are mostly that idle cost; c=64 is the one to read.",
         "",
-        "| system | c | " + " | ".join(keep) + " | serving tier (all but engine-core, client, other) |",
+        "| system | c | " + " | ".join(keep) + " | serving tier (vLLM: its API server; ours: all Ray processes but the EngineCore) |",
         "|---|---|" + "---|" * (len(keep) + 1),
     ]
     for r in sorted(data["cases"], key=lambda r: (r["concurrency"], r["system"])):
@@ -304,7 +314,11 @@ def render_report(data: dict[str, Any]) -> str:
         lines.append(f"| {r['system']} | {r['concurrency']} | " + " | ".join(fmt(cpu.get(k), 3) for k in keep) + f" | {fmt(_tier(r), 3)} |")
     profiles = [(r, name, p) for r in data["cases"] for name, p in (r.get("profile") or {}).items()]
     if profiles:
-        lines += ["", "## py-spy (ours, highest concurrency): inclusive share of samples", ""]
+        lines += ["", "## py-spy (ours, highest concurrency): inclusive share of the samples that were working", "",
+                  "Samples of threads parked in C (the event loop's poll, Ray's core worker loop) left out. py-spy starts 3 s "
+                  "after the client process; when the client's start-up takes longer (it did in the committed run), the "
+                  "window shows the replicas idle: then it is Serve's own metrics export (every 100 ms per replica and "
+                  "per router) that keeps them busy.", ""]
         for r, name, p in profiles:
             lines.append(f"- {name} (c={r['concurrency']}, {p['samples']} samples): "
                          + "; ".join(f"{f} {share:.0%}" for f, _, share in p["inclusive"][:15]))
