@@ -38,9 +38,12 @@ SYSTEM = "You are a careful coding agent. Think first, then call tools. " * 12
 def _turns(spec: ModelSpec, messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """The conversation as an agent sends it: every prefix that ends with a user or tool message."""
     if spec.alternating_only:  # Mistral's template: [system] user assistant user ..., plain text only
-        messages = [{"role": m["role"], "content": m.get("content") or "ok"} for m in messages
-                    if m["role"] in ("user", "assistant") and "tool_calls" not in m]
-        messages = [m for i, m in enumerate(messages) if m["role"] == ("user", "assistant")[i % 2]]
+        plain = [{"role": m["role"], "content": m.get("content") or "ok"} for m in messages
+                 if m["role"] in ("user", "assistant") and "tool_calls" not in m]
+        messages = []
+        for m in plain:  # keep a message only when its role is the one due next
+            if m["role"] == ("user", "assistant")[len(messages) % 2]:
+                messages.append(m)
     return [messages[:end] for end in range(1, len(messages) + 1) if messages[end - 1]["role"] in ("user", "tool")]
 
 
