@@ -19,10 +19,11 @@ import json
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from serve_app.config import AppArgs
+from serve_app.derender.detokenize import _MAX_PENDING
 from serve_app.derender.model import DerenderLimits, DerenderModel
 from serve_app.derender.plain_service import PlainDerenderService
 from serve_app.derender.tokenizer import DetokTokenizer
@@ -56,7 +57,7 @@ class Pair:
         limits = DerenderLimits(model.max_model_len, 20, 16384)
         self.ours = PlainDerenderService(DerenderModel(tok, model.served_model_names, limits, model.eos_token_ids))
         self.vocab = tok.vocab_size
-        hf = AutoTokenizer.from_pretrained(model.tokenizer_dir)
+        hf = self.hf = AutoTokenizer.from_pretrained(model.tokenizer_dir)
         self.interesting = sorted(
             {*model.special_token_ids, *(i for t in TEXTS for i in hf.encode(t, add_special_tokens=False))}
         )
@@ -154,6 +155,18 @@ def cases(draw, pair: Pair):
     return ids, prompt, seed, skip, with_logprobs, sizes, finish
 
 
+def _held_run(pair: Pair, ids: list[int]) -> int:
+    """The longest run of tokens after each of which the text ends in U+FFFD: vLLM holds such a run back
+    without bound, we emit it past ``_MAX_PENDING`` pieces (the documented difference in detokenize.py,
+    tested against its own expectation in tests/unit/test_detokenize.py)."""
+    longest = run = 0
+    for k in range(len(ids)):
+        text = pair.hf.decode([i for i in ids[: k + 1] if i < pair.vocab])
+        run = run + 1 if text.endswith("\ufffd") else 0
+        longest = max(longest, run)
+    return longest
+
+
 def _chunks(ids: list[int], sizes: list[int]) -> list[list[int]]:
     out, i, k = [], 0, 0
     while i < len(ids):
@@ -167,6 +180,7 @@ def _chunks(ids: list[int], sizes: list[int]) -> list[list[int]]:
 @given(data=st.data())
 def test_chat_and_completions_match_vllm_streaming_and_not(pair: Pair, data):
     ids, prompt, seed, skip, with_logprobs, sizes, (finish_reason, stop_reason) = data.draw(cases(pair))
+    assume(_held_run(pair, ids) <= _MAX_PENDING)
     rng = random.Random(seed)
     logprobs = _logprobs(rng, ids, pair.vocab) if with_logprobs else None
     chat_request = {"messages": [{"role": "user", "content": "x"}], "skip_special_tokens": skip, "return_token_ids": True}
