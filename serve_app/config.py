@@ -227,12 +227,12 @@ class AppArgs(_Strict):
             "request (the biggest cost on small CPUs, see bench/). HTTP then scales by Ingress "
             "replicas; 'render' makes every Ingress replica hold vLLM's renderer. The stages' own "
             "deployments stay up for callers by handle. 'parser_derender': whole chat derender "
-            "requests, and the chunks of streams sent with an x-session-id header, are parsed in "
-            "the Ingress, each stream's live parser kept in the replica its chunks reach. That "
-            "needs a front door hashing x-session-id (RAY_SERVE_HAPROXY_BALANCE_ALGORITHM="
-            "hdr(x-session-id), as make run sets) or one Ingress replica; otherwise chunks miss and "
-            "replay (right, but slower). Chunks without the header go to ParserDerender "
-            "(bench/results/hop.md)."
+            "requests, and the chunks of streams the front door keeps on one Ingress replica, are "
+            "parsed in the Ingress, each stream's live parser kept in the replica its chunks reach: "
+            "streams sent with an x-session-id header, and, when the front door hashes each chunk's "
+            "generate_chunk.request_id (make run's HAProxy: serve_app/front_door.py), every stream. "
+            "Other chunks go to ParserDerender by their stream id, and are parsed in the Ingress when "
+            "no ParserDerender replica can take them (bench/results/parser.md)."
         ),
     )
     render_cache_bytes: int = Field(
