@@ -223,8 +223,12 @@ class Tally:
         self.events: Counter[str] = Counter()
         self.samples: list[str] = []  # the first few errors, hangs and unexpected answers, in words
         self.requests = 0
+        self.t0: float | None = None  # the traffic's start: failures are timed from it
+        self.failures: list[tuple[float, str]] = []  # (seconds into the traffic, what): every failed request
 
     def note(self, line: str) -> None:
+        if self.t0 is not None and not line.startswith("retried chunk differs"):
+            self.failures.append((round(time.perf_counter() - self.t0, 2), line[:120]))
         if len(self.samples) < 40:
             self.samples.append(line[:400])
 
@@ -633,20 +637,39 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
     unexpected = sum(client["unexpected"].values())
     mismatches = sum(client["mismatches"].values())
     gated = {k: r for k, r in memory.items() if r["gated"]}
+    # Replicas killed on purpose (--kill): a failed request within the window after a kill is that kill's.
+    kills, window = data.get("kills") or [], o.get("kill_window", 30.0)
+    failures = client.get("failures") or []
+    kill_rows = []
+    for k in kills:
+        inside = [f for f in failures if 0 <= f[0] - k["t"] <= window]
+        replaced = any(label.startswith(f"{k['deployment']}#") and row["first_seen_s"] > k["t"] for label, row in memory.items())
+        kill_rows.append({**k, "failures": len(inside), "failure_kinds": sorted({f[1].split(":")[0] for f in inside}),
+                          "replaced": replaced})
+    outside = [f for f in failures if not any(0 <= f[0] - k["t"] <= window for k in kills)]
     verdicts = {
         "memory flat (every Serve process)": all(r["verdict"] != "FAIL" for r in gated.values()) and any(
             r["verdict"] == "PASS" for r in gated.values()),
         "parser-session cache within its bounds at every sample": caches_ok and stats_down == 0,
-        "zero 5xx (client and /metrics)": fivexx_client == 0 and fivexx_app == 0,
-        "zero hangs (client deadline)": hangs == 0,
-        "zero transport errors, in-band errors, unexpected statuses": transport == 0 and unexpected == 0,
-        "outputs equal their references": mismatches == 0,
     }
+    if kills:
+        verdicts.update({
+            f"no failed request (5xx, hang, transport or unexpected) outside the {window:g} s after a kill": not outside,
+            "every killed replica replaced": all(r["replaced"] for r in kill_rows if r.get("pid")),
+        })
+    else:
+        verdicts.update({
+            "zero 5xx (client and /metrics)": fivexx_client == 0 and fivexx_app == 0,
+            "zero hangs (client deadline)": hangs == 0,
+            "zero transport errors, in-band errors, unexpected statuses": transport == 0 and unexpected == 0,
+        })
+    verdicts["outputs equal their references"] = mismatches == 0
     return {
         "warmup_s": warm, "memory": memory, "caches": cache_rows, "cache_exported_max_tokens": exported_bound,
         "cache_stats_down_samples": stats_down, "fivexx_client": fivexx_client, "fivexx_app": fivexx_app,
         "hangs": hangs, "transport_errors": transport, "unexpected": unexpected, "mismatches": mismatches,
         "app_requests": last_metrics.get("requests") or {}, "chunk_outcomes": last_metrics.get("chunks") or {},
+        "kills": kill_rows, "failures_outside_kills": outside,
         "verdicts": verdicts, "pass": all(verdicts.values()),
     }
 
@@ -654,6 +677,23 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # Report and plot
 # --------------------------------------------------------------------------------------------
+
+
+def _kills_section(a: dict[str, Any], o: dict[str, Any]) -> list[str]:
+    if not a["kills"]:
+        return []
+    window = o.get("kill_window", 30.0)
+    lines = ["## Replicas killed (SIGKILL) during the traffic", "",
+             f"A request that failed (5xx, hang, transport error, in-band error, unexpected status) within {window:g} s "
+             "after a kill is counted as that kill's; the client does not retry.", "",
+             "| at s | deployment | replica (pid) | failed requests within the window | kinds | replaced |",
+             "|---|---|---|---|---|---|"]
+    for k in a["kills"]:
+        lines.append(f"| {k['t']:.0f} | {k['deployment']} | {k.get('replica', '-')} ({k.get('pid', '-')}) | {k['failures']} | "
+                     f"{', '.join(k['failure_kinds']) or '-'} | {'yes' if k['replaced'] else 'no'} |")
+    lines += ["", f"Failed requests outside those windows: {len(a['failures_outside_kills'])}"
+              + (f" (first: {a['failures_outside_kills'][:3]})" if a["failures_outside_kills"] else "") + ".", ""]
+    return lines
 
 
 def render_report(data: dict[str, Any]) -> str:
@@ -693,6 +733,7 @@ def render_report(data: dict[str, Any]) -> str:
         "Load profile (share of the workers active from that point of the run): "
         + ", ".join(f"{100 * s:.0f} %: {100 * w:.0f} %" for s, w in PROFILE) + ".",
         "",
+        *_kills_section(a, o),
         "## Memory per process (RSS, MiB)",
         "",
         "| process | role | start | baseline (after warm-up) | end | growth end / baseline | max / min vs baseline | "
@@ -867,7 +908,43 @@ def client_summary(t: Tally) -> dict[str, Any]:
         lat[k] = st
     return {"requests": t.requests, "status": {f"{k} {s}": n for (k, s), n in sorted(t.status.items())}, "latency": lat,
             "hangs": dict(t.hangs), "errors": dict(t.errors), "unexpected": dict(t.unexpected), "mismatches": dict(t.mismatches),
-            "events": dict(t.events), "samples": t.samples}
+            "events": dict(t.events), "samples": t.samples, "failures": t.failures}
+
+
+def parse_kills(spec: str) -> list[tuple[float, str]]:
+    """``"0.3:ParserDerender,0.5:Ingress"`` -> [(0.3, "ParserDerender"), (0.5, "Ingress")]: when (a share of
+    the traffic time) to SIGKILL one replica of which deployment."""
+    kills = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        at, _, deployment = part.partition(":")
+        kills.append((float(at), deployment))
+    return sorted(kills)
+
+
+async def killer(kills: list[tuple[float, str]], duration: float, t0: float, events: list[dict[str, Any]]) -> None:
+    """SIGKILL one live replica of each scheduled deployment at its time (found in the GCS actor table, as
+    the memory sampler finds them); each kill recorded with its time, replica and pid."""
+    import signal
+
+    from bench.common.ray_internals import gcs_actors
+
+    for share, deployment in kills:
+        await asyncio.sleep(max(0.0, t0 + share * duration - time.perf_counter()))
+        actors = await asyncio.to_thread(gcs_actors)
+        live = sorted((info.get("Name") or "", int(info["Pid"])) for info in actors.values()
+                      if (info.get("ActorClassName") or "").endswith(":" + deployment)
+                      and info.get("State") == "ALIVE" and info.get("Pid"))
+        if not live:
+            events.append({"t": round(time.perf_counter() - t0, 2), "deployment": deployment, "killed": None})
+            progress(f"  kill {deployment}: no live replica")
+            continue
+        name, pid = live[0]
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pid = -pid
+        events.append({"t": round(time.perf_counter() - t0, 2), "deployment": deployment, "replica": name, "pid": pid})
+        progress(f"  [{time.perf_counter() - t0:6.0f} s] SIGKILL {deployment} replica {name} (pid {pid})")
 
 
 async def soak(base: str, wl: dict[str, Any], opts: argparse.Namespace, data: dict[str, Any]) -> None:
@@ -889,7 +966,11 @@ async def soak(base: str, wl: dict[str, Any], opts: argparse.Namespace, data: di
         progress(f"soak: {opts.minutes:g} minutes, up to {opts.workers} workers, sampling every {opts.sample_interval:g} s")
         await take_sample(traffic, data, t0, level_of)  # the start: after the preflight, before the traffic
         sampling = asyncio.create_task(sampler(traffic, data, t0, stop, opts.sample_interval, level_of))
+        tally.t0 = t0
+        data["kills"] = []
+        killing = asyncio.create_task(killer(parse_kills(opts.kill or ""), duration, t0, data["kills"]))
         await traffic.run(duration, t0)
+        await killing
         data["traffic_s"] = time.perf_counter() - t0
         stop.set()
         await sampling
@@ -912,6 +993,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ttl-s", type=float,
                     help="parser_sessions.ttl_s (default: 300 s scaled by the compression, minutes / 60, 5 s at least)")
     ap.add_argument("--seed", type=int, default=12)
+    ap.add_argument("--kill", default="",
+                    help="replicas to SIGKILL during the traffic, as share:Deployment pairs, e.g. "
+                         "0.3:Ingress,0.5:ParserDerender,0.7:Engine (default: none)")
+    ap.add_argument("--kill-window", type=float, default=30.0,
+                    help="seconds after a kill in which failed requests are counted as that kill's (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=RESULTS / "soak", help="output path without extension (default: %(default)s)")
     ap.add_argument("--from-json", type=Path, help="only re-render the report and the plot from a results JSON")
     opts = ap.parse_args(argv)

@@ -29,8 +29,12 @@ def make_run_env() -> dict[str, str]:
     """The Serve flags ``make run`` starts Ray with (the Makefile's ``SERVE_ENV``)."""
     import shlex
 
+    from serve_app.front_door import HAPROXY_BALANCE
+
     line = next(ln for ln in (REPO / "Makefile").read_text().splitlines() if ln.startswith("SERVE_ENV :="))
-    return dict(kv.split("=", 1) for kv in shlex.split(line.split(":=", 1)[1]))
+    env = dict(kv.split("=", 1) for kv in shlex.split(line.split(":=", 1)[1]))
+    # The Makefile's FRONT_DOOR_BALANCE: HAProxy hashes each parser-stream chunk's stream id.
+    return {**env, "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": HAPROXY_BALANCE}
 
 
 def shipped_colocate() -> list[str]:
