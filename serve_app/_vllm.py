@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from serve_app.config import AppArgs, ResolvedModel
@@ -287,6 +288,23 @@ def _tokenize_big_prompts_apart(renderer: Any) -> None:
         return (long if isinstance(text, str) and len(text) > BIG_PROMPT_CHARS else short)(prompt, params)
 
     renderer._tokenize_prompt_async = tokenize
+
+
+class RawRequest:
+    """The part of a Starlette request vLLM's serving classes read: headers (case-insensitive, as
+    Starlette's; render reads ``X-Request-Id``) and ``state`` (``ServingTokens``)."""
+
+    def __init__(self, headers: Mapping[str, str] | None = None) -> None:
+        from types import SimpleNamespace
+
+        from starlette.datastructures import Headers
+
+        self.headers = Headers(headers=dict(headers or {}))
+        self.state = SimpleNamespace()
+
+    @classmethod
+    def with_request_id(cls, request_id: str | None) -> RawRequest:
+        return cls({"X-Request-Id": request_id} if request_id is not None else None)
 
 
 async def call_vllm(coro: Any, error_cls: type) -> Any:

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Mapping
-from types import SimpleNamespace
 from typing import Any
 
 from ray import serve
 
-from serve_app._vllm import call_vllm
+from serve_app._vllm import RawRequest, call_vllm
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import BadRequestError, EngineStreamError
 from serve_app.heap import freeze_startup_heap
@@ -35,16 +34,6 @@ from serve_app.wire import check_engine_ints, dump_json, load_body, validate_mod
 __all__ = ["Engine", "EngineService"]
 
 _DONE = "data: [DONE]\n\n"
-
-
-class _RawRequest:
-    """What vLLM's ``ServingTokens`` reads from a Starlette request: headers and ``state``."""
-
-    def __init__(self, headers: Mapping[str, str] | None) -> None:
-        from starlette.datastructures import Headers
-
-        self.headers = Headers(headers=dict(headers or {}))  # case-insensitive, as Starlette's
-        self.state = SimpleNamespace()
 
 
 def parse_sse_frame(frame: str) -> dict[str, Any] | None:
@@ -103,7 +92,7 @@ class EngineService:
             check_engine_ints(data)
             request = validate_model(self._request, data)
             check_token_ids(request.token_ids, self.vocab_size)
-            return await self.serving.serve_tokens(request, _RawRequest(headers))
+            return await self.serving.serve_tokens(request, RawRequest(headers))
 
         return await call_vllm(start(), self._error_cls)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from ray import serve
 
-from serve_app._vllm import call_vllm, install_prompt_cache
+from serve_app._vllm import RawRequest, call_vllm, install_prompt_cache
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import BadRequestError
 from serve_app.heap import freeze_startup_heap
@@ -59,13 +59,6 @@ def check_roles(messages: Any, roles: frozenset[str]) -> None:
                 f"Unsupported message role {role!r} in messages[{i}]. Expected one of: {', '.join(sorted(roles))}.",
                 param="messages",
             )
-
-
-class _RawRequest:
-    """The part of a Starlette request vLLM's serving classes read: the ``X-Request-Id`` header."""
-
-    def __init__(self, request_id: str | None) -> None:
-        self.headers = {"X-Request-Id": request_id} if request_id is not None else {}
 
 
 def _always_emit_max_tokens(generate_request: Any, dumped: dict[str, Any]) -> dict[str, Any]:
@@ -108,7 +101,7 @@ class RenderService:
 
         return cls(await build_render_state(args, model), args.render_cache_bytes)
 
-    async def _run(self, validator: Any, handler: Any, body: bytes | dict, raw_request: _RawRequest | None) -> Any:
+    async def _run(self, validator: Any, handler: Any, body: bytes | dict, raw_request: RawRequest | None) -> Any:
         """Parse, validate and serve one request; every failure leaves as an :class:`ApiError`.
 
         ``body`` is the raw JSON body (the HTTP path) or an already-parsed dict (handle callers).
@@ -136,12 +129,12 @@ class RenderService:
             check_roles(messages, self._roles | template_roles([own] if isinstance(own, str) else []))
 
     async def chat(self, body: bytes, request_id: str | None = None) -> bytes:
-        out = await self._run(self._chat, self.state.serving_render.render_chat_request, body, _RawRequest(request_id))
+        out = await self._run(self._chat, self.state.serving_render.render_chat_request, body, RawRequest.with_request_id(request_id))
         return dump_json(_always_emit_max_tokens(out, out.model_dump()))
 
     async def completion(self, body: bytes, request_id: str | None = None) -> bytes:
         render = self.state.serving_render.render_completion_request
-        out = await self._run(self._completion, render, body, _RawRequest(request_id))
+        out = await self._run(self._completion, render, body, RawRequest.with_request_id(request_id))
         # Token-id prompts pass vLLM's render unchecked; an id past the model's vocabulary would
         # reach the engine (vLLM's own check, with the renderer's tokenizer and model vocab size).
         validate = self.state.online_renderer.renderer.validate_token_ids
@@ -151,7 +144,7 @@ class RenderService:
 
     async def messages(self, body: bytes, request_id: str | None = None) -> bytes:
         render = self.state.serving_render.render_messages_request
-        out = await self._run(self._messages, render, body, _RawRequest(request_id))
+        out = await self._run(self._messages, render, body, RawRequest.with_request_id(request_id))
         return dump_json(_always_emit_max_tokens(out, out.model_dump()))
 
     async def responses(self, body: bytes, request_id: str | None = None) -> bytes:
@@ -160,12 +153,12 @@ class RenderService:
 
     async def tokenize(self, body: bytes, request_id: str | None = None) -> bytes:
         tokenization = self.state.serving_tokenization
-        out = await self._run(self._tokenize, tokenization.create_tokenize, body, _RawRequest(request_id))
+        out = await self._run(self._tokenize, tokenization.create_tokenize, body, RawRequest.with_request_id(request_id))
         return dump_json(out.model_dump())
 
     async def detokenize(self, body: bytes, request_id: str | None = None) -> bytes:
         tokenization = self.state.serving_tokenization
-        out = await self._run(self._detokenize, tokenization.create_detokenize, body, _RawRequest(request_id))
+        out = await self._run(self._detokenize, tokenization.create_detokenize, body, RawRequest.with_request_id(request_id))
         return dump_json(out.model_dump())
 
 
