@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from ray.serve._private.constants import (
@@ -52,8 +53,16 @@ __all__ = [
 # of its API document's example. Otherwise (no such key, or a body laid out state-first) HAProxy falls
 # back to round-robin: still right, only a miss and a replay. A client's x-session-id plays no part.
 # `hash-type consistent`: a replica joining or leaving moves only its own share of the streams.
+# Waiting for the body also holds a client that trickles it, which `timeout client` (idle time) never
+# ends: `timeout http-request` bounds the whole request's arrival (20 s, as BodyDeadlineMiddleware's
+# first 20 s), answered by a 408 in vLLM's envelope (`errorfile`, shipped with the package) instead of
+# HAProxy's HTML page.
 STREAM_ID_FIELD = "$.generate_chunk.request_id"
-HAPROXY_BALANCE = f"hash req.body,json_query('{STREAM_ID_FIELD}')\n    option http-buffer-request\n    hash-type consistent"
+REQUEST_TIMEOUT_PAGE = Path(__file__).with_name("front_door_pages") / "408.http"
+HAPROXY_BALANCE = (
+    f"hash req.body,json_query('{STREAM_ID_FIELD}')\n    option http-buffer-request\n    hash-type consistent"
+    f"\n    timeout http-request 20s\n    errorfile 408 {REQUEST_TIMEOUT_PAGE}"
+)
 
 
 def hashes_stream_id(env: Any = None) -> bool:

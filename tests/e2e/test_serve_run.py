@@ -242,9 +242,11 @@ def test_head_answers_200_like_get(served, path):
 
 def test_slow_clients_are_answered_and_closed_not_held(served):
     """Three slow clients at once, each waiting at most the hang guard: a body trickled at 2 B/s gets the
-    408 envelope while it is still trickling (serve_app/front_door.py: 20 s, then 500 B/s); a client
-    that stops in the middle of its headers, and one that sends nothing, get HAProxy's 408 (timeout
-    client, 30 s in SERVE_ENV). Each connection is then closed by the server."""
+    408 envelope while it is still trickling (HAProxy, which waits for a body to hash its stream id,
+    bounds the whole request's arrival: `timeout http-request 20s` with a JSON errorfile,
+    serve_app/front_door.py; a body past its buffer reaches BodyDeadlineMiddleware's same 20 s); a
+    client that stops in the middle of its headers, and one that sends nothing, get HAProxy's 408 too.
+    Each connection is then closed by the server."""
     body = b'{"messages": [{"role": "user", "content": "' + b"x" * 10_000 + b'"}]}'
     head = b"POST /v1/chat/completions/render HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
     trickled_body = head + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
@@ -256,5 +258,5 @@ def test_slow_clients_are_answered_and_closed_not_held(served):
     assert _status(body_answer) == 408 and sent < len(body), (body_answer, sent)
     error = _envelope(body_answer)
     assert (error["type"], error["code"]) == ("RequestTimeoutError", 408)
-    assert _status(headers_answer) == 408 and _status(silent_answer) == 408  # HAProxy's page
+    assert _status(headers_answer) == 408 and _status(silent_answer) == 408
     assert httpx.get(f"{URL}/health", timeout=10).status_code == 200
