@@ -636,9 +636,13 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
     transport = sum(client["errors"].values())
     unexpected = sum(client["unexpected"].values())
     mismatches = sum(client["mismatches"].values())
-    gated = {k: r for k, r in memory.items() if r["gated"]}
-    # Replicas killed on purpose (--kill): a failed request within the window after a kill is that kill's.
+    # Replicas killed on purpose (--kill): a failed request within the window after a kill is that kill's,
+    # and a killed replica's memory is not judged (its RSS series just ends).
     kills, window = data.get("kills") or [], o.get("kill_window", 30.0)
+    killed = {f"{k['deployment']}#{k['replica'].rsplit('#', 1)[-1][:6]}" for k in kills if k.get("replica")}
+    for label in killed & memory.keys():
+        memory[label]["gated"] = False
+    gated = {k: r for k, r in memory.items() if r["gated"]}
     failures = client.get("failures") or []
     kill_rows = []
     for k in kills:
