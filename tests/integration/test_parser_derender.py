@@ -56,12 +56,17 @@ def scaling_app(serve_instance, model_dirs):
     serve.delete("parser_scaling")
 
 
-@pytest.fixture(scope="module")
-def stream_inputs(scaling_app, model_dirs) -> tuple[list[int], list[int]]:
-    tok = AutoTokenizer.from_pretrained(model_dirs["qwen3-tiny"])
-    with httpx.Client(base_url=scaling_app, timeout=60) as c:
+def rendered_stream_inputs(app_url: str, tokenizer_dir) -> tuple[list[int], list[int]]:
+    """CHAT_REQUEST's prompt ids as ``app_url`` renders it, and OUTPUT's ids ending in ``<|im_end|>``."""
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    with httpx.Client(base_url=app_url, timeout=60) as c:
         prompt = c.post("/v1/chat/completions/render", json=CHAT_REQUEST).json()["token_ids"]
     return prompt, tok.encode(OUTPUT) + [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+@pytest.fixture(scope="module")
+def stream_inputs(scaling_app, model_dirs) -> tuple[list[int], list[int]]:
+    return rendered_stream_inputs(scaling_app, model_dirs["qwen3-tiny"])
 
 
 def _chunk_body(request_id: str, ids: list[int], last: bool, state, prompt: list[int]) -> dict:

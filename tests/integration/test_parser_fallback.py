@@ -15,10 +15,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
 from tests.conftest import QWEN3_PARSER_ARGS, deploy_app
-from tests.integration.test_parser_derender import CHAT_REQUEST, OUTPUT, _chunk_body, _normalize
+from tests.integration.test_parser_derender import _chunk_body, _normalize, rendered_stream_inputs
 
 APP = "parser_fallback"
 
@@ -41,10 +40,7 @@ def app(serve_instance, model_dirs) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def inputs(app, model_dirs) -> tuple[list[int], list[int]]:
-    tok = AutoTokenizer.from_pretrained(model_dirs["qwen3-tiny"])
-    with httpx.Client(base_url=app, timeout=60) as c:
-        prompt = c.post("/v1/chat/completions/render", json=CHAT_REQUEST).json()["token_ids"]
-    return prompt, tok.encode(OUTPUT) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    return rendered_stream_inputs(app, model_dirs["qwen3-tiny"])
 
 
 def _parser_pids() -> dict[str, int]:
