@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "RETRY_AFTER_S",
     "ApiError",
     "BadRequestError",
     "EngineStreamError",
@@ -83,6 +84,9 @@ class PayloadTooLargeError(ApiError):
 class GatewayTimeoutError(ApiError):
     status_code = 504
     err_type = "GatewayTimeoutError"
+
+
+RETRY_AFTER_S = 2  # what every 503 (a stage down, the front door with no replica) asks a client to wait
 
 
 class ServiceUnavailableError(ApiError):

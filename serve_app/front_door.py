@@ -18,9 +18,9 @@ let us set in HAProxy is in docs/operations.md, "Front door".
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 from ray.serve._private.constants import (
@@ -31,7 +31,7 @@ from ray.serve._private.constants import (
     SERVE_SESSION_ID,
 )
 
-from serve_app.errors import ApiError, BadRequestError, error_body
+from serve_app.errors import RETRY_AFTER_S, ApiError, BadRequestError, error_body
 from serve_app.wire import send_json
 
 __all__ = [
@@ -55,13 +55,41 @@ __all__ = [
 # `hash-type consistent`: a replica joining or leaving moves only its own share of the streams.
 # Waiting for the body also holds a client that trickles it, which `timeout client` (idle time) never
 # ends: `timeout http-request` bounds the whole request's arrival (20 s, as BodyDeadlineMiddleware's
-# first 20 s), answered by a 408 in vLLM's envelope (`errorfile`, shipped with the package) instead of
-# HAProxy's HTML page.
+# first 20 s).
+# HAProxy's own answers are vLLM's envelope, not its HTML pages: `http-error` lines, written inline so
+# the setting names no file path (a KubeRay container installs the package elsewhere than `make run`).
+# They come after Ray's `errorfile 502/503/504` (a plain-text 500) in `defaults`, and the later wins:
+# no Ingress replica up is a 503 with Retry-After, as the Ingress answers for a stage that is down.
+# A request that is not HTTP at all still gets HAProxy's HTML 400: its parser answers before any
+# `http-error` applies (tests/unit/test_front_door_balance.py).
 STREAM_ID_FIELD = "$.generate_chunk.request_id"
-REQUEST_TIMEOUT_PAGE = Path(__file__).with_name("front_door_pages") / "408.http"
-HAPROXY_BALANCE = (
-    f"hash req.body,json_query('{STREAM_ID_FIELD}')\n    option http-buffer-request\n    hash-type consistent"
-    f"\n    timeout http-request 20s\n    errorfile 408 {REQUEST_TIMEOUT_PAGE}"
+REQUEST_TIMEOUT_S = 20
+FRONT_DOOR_ERRORS = {
+    408: (
+        f"The request did not arrive in time: HAProxy waited {REQUEST_TIMEOUT_S} s for its headers and body (timeout http-request).",
+        "RequestTimeoutError",
+    ),
+    502: ("The Ingress replica failed before it answered.", "BadGatewayError"),
+    503: ("No Ingress replica is available, retry later.", "ServiceUnavailableError"),
+    504: ("The Ingress replica did not answer in time.", "GatewayTimeoutError"),
+}
+
+
+def _http_error(status: int, message: str, err_type: str) -> str:
+    body = json.dumps(error_body(message, err_type, status))
+    assert "'" not in body  # HAProxy's single-quoted string
+    retry = f" hdr retry-after {RETRY_AFTER_S}" if status == 503 else ""
+    return f"http-error status {status} content-type application/json hdr cache-control no-cache{retry} string '{body}'"
+
+
+HAPROXY_BALANCE = "\n    ".join(
+    [
+        f"hash req.body,json_query('{STREAM_ID_FIELD}')",
+        "option http-buffer-request",
+        "hash-type consistent",
+        f"timeout http-request {REQUEST_TIMEOUT_S}s",
+        *(_http_error(status, *page) for status, page in FRONT_DOOR_ERRORS.items()),
+    ]
 )
 
 

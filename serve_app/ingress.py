@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve_app.auth import ApiKeyMiddleware
 from serve_app.compose import ComposedService
 from serve_app.config import AppArgs, ResolvedModel
-from serve_app.errors import ApiError, ServiceUnavailableError, envelope, error_body, validation_error
+from serve_app.errors import RETRY_AFTER_S, ApiError, ServiceUnavailableError, envelope, error_body, validation_error
 from serve_app.front_door import BodyDeadlineMiddleware, hashes_stream_id
 from serve_app.health import StageHealth, replica_gone, routable
 from serve_app.heap import freeze_startup_heap
@@ -42,7 +42,6 @@ __all__ = ["Ingress", "api"]
 
 logger = get_logger(__name__)
 
-RETRY_AFTER_S = 2  # what a 503 asks the client to wait, in seconds
 
 RenderMethod = Literal["chat", "completion", "messages", "responses", "tokenize", "detokenize"]
 """The ``Render`` methods the render routes forward to."""

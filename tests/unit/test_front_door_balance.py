@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import json
+import socket
 import subprocess
 import threading
 import time
@@ -19,7 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from serve_app.errors import RETRY_AFTER_S
 from serve_app.front_door import HAPROXY_BALANCE, hashes_stream_id
+from tests.harness.net import free_port
 
 
 def _haproxy() -> str:
@@ -64,14 +67,20 @@ def _backend(name: str) -> ThreadingHTTPServer:
 @pytest.fixture(scope="module")
 def front_door(tmp_path_factory):
     backends = {name: _backend(name) for name in ("r1", "r2", "r3")}
-    with ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler) as probe:
-        port = probe.server_address[1]
+    port, down_port, closed_port = (free_port() for _ in range(3))
+    plain_500 = tmp_path_factory.mktemp("errors") / "500.http"  # what Ray writes (haproxy.py, 500.http)
+    plain_500.write_text(
+        "HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\nContent-Length: 21\r\n\r\nInternal Server Error"
+    )
     servers = "\n".join(f"    server {n} 127.0.0.1:{b.server_address[1]}" for n, b in backends.items())
     config = (
         "global\n    maxconn 100\n    tune.bufsize 16384\n"  # Ray's default bufsize
         "defaults\n    mode http\n    timeout connect 5s\n    timeout client 30s\n    timeout server 30s\n"
-        f"    balance {HAPROXY_BALANCE}\n"  # as Ray's template writes it
+        + "".join(f"    errorfile {code} {plain_500}\n" for code in (502, 503, 504))  # Ray's, before `balance`
+        + f"    balance {HAPROXY_BALANCE}\n"  # as Ray's template writes it
         f"frontend fe\n    bind 127.0.0.1:{port}\n    default_backend be\nbackend be\n{servers}\n"
+        f"frontend fe_down\n    bind 127.0.0.1:{down_port}\n    default_backend down\n"
+        f"backend down\n    server gone 127.0.0.1:{closed_port}\n"  # no replica listening
     )
     path: Path = tmp_path_factory.mktemp("haproxy") / "haproxy.cfg"
     path.write_text(config)
@@ -88,7 +97,7 @@ def front_door(tmp_path_factory):
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.1)
     try:
-        yield url
+        yield url, down_port
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -110,11 +119,12 @@ def _chunk(stream: str, carried_tokens: int, state_first: bool = False) -> bytes
 def test_every_chunk_of_a_stream_reaches_one_backend_at_any_body_size(front_door):
     """Bodies from a few hundred bytes to well past HAProxy's 16 KiB buffer (a long stream's state):
     each stream's chunks land on one backend, and different streams spread over all three."""
+    url, _ = front_door
     landed: dict[str, set[str]] = collections.defaultdict(set)
     with httpx.Client(timeout=30) as c:  # one client, one connection: only the body tells streams apart
         for carried in (0, 100, 1000, 5000, 20000):
             for s in range(24):
-                landed[f"chatcmpl-{s}"].add(c.post(front_door, content=_chunk(f"chatcmpl-{s}", carried)).text)
+                landed[f"chatcmpl-{s}"].add(c.post(url, content=_chunk(f"chatcmpl-{s}", carried)).text)
     assert all(len(backends) == 1 for backends in landed.values()), landed
     assert set().union(*landed.values()) == {"r1", "r2", "r3"}
 
@@ -122,8 +132,35 @@ def test_every_chunk_of_a_stream_reaches_one_backend_at_any_body_size(front_door
 def test_a_body_without_the_id_in_the_buffer_is_balanced_not_refused(front_door):
     """State first and past the buffer: the id is not seen, HAProxy falls back to round-robin (the
     Ingress then misses and replays: right, slower); nothing is refused."""
+    url, _ = front_door
     with httpx.Client(timeout=30) as c:
-        answers = [c.post(front_door, content=_chunk("late-id", 20000, state_first=True)) for _ in range(6)]
-        other = c.post(front_door.replace("/v1/chat/completions/derender", "/v1/chat/completions/render"), content=b'{"messages": []}')
+        answers = [c.post(url, content=_chunk("late-id", 20000, state_first=True)) for _ in range(6)]
+        other = c.post(url.replace("/v1/chat/completions/derender", "/v1/chat/completions/render"), content=b'{"messages": []}')
     assert all(a.status_code == 200 for a in answers) and other.status_code == 200
     assert len({a.text for a in answers}) > 1
+
+
+def _raw(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(request)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode().split("\r\n")
+    return int(status_line.split()[1]), {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}, body
+
+
+def test_haproxys_own_answers_are_vllms_envelope(front_door):
+    """No replica to take a request: HAProxy's own answer is vLLM's envelope, a 503 with Retry-After,
+    over Ray's plain-text `errorfile` 500. (A request that is not HTTP at all still gets HAProxy's
+    HTML 400: its parser answers before `http-error` applies. Checked here so a change shows.)"""
+    url, down_port = front_door
+    port = int(url.split(":")[2].split("/")[0])
+    status, headers, body = _raw(port, b"GET /health HTTP/1.1\r\nHost: a\r\nno colon here\r\n\r\n")
+    assert status == 400 and headers["content-type"] == "text/html", (status, headers, body)
+    status, headers, body = _raw(down_port, b"GET /health HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+    assert status == 503 and headers["retry-after"] == str(RETRY_AFTER_S), (status, headers, body)
+    assert json.loads(body)["error"] == {
+        "message": "No Ingress replica is available, retry later.", "type": "ServiceUnavailableError", "param": None, "code": 503
+    }
