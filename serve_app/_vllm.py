@@ -217,8 +217,6 @@ def install_prompt_cache(state: RenderState, max_bytes: int) -> tuple[Any, str]:
     Only what the cache encodes exactly takes it: no special tokens added (chat; completions that ask),
     no offsets, the ids within the truncation length. Everything else calls vLLM's method as before.
     """
-    from vllm.utils.async_utils import make_async
-
     from serve_app.render_cache import PrefixTokenizer
 
     templates = state.chat_templates()
@@ -229,6 +227,8 @@ def install_prompt_cache(state: RenderState, max_bytes: int) -> tuple[Any, str]:
     if encoder is None:
         return None, reason
     vllm_tokenize = renderer._tokenize_prompt
+    # build_render_state's split by size: each thread calls whatever _tokenize_prompt is installed, so below.
+    in_thread = renderer._tokenize_prompt_async
 
     def cacheable(prompt: Any, params: Any) -> int | None:
         """The truncation length (0: none) if the cache may encode this prompt, else ``None``."""
@@ -248,8 +248,6 @@ def install_prompt_cache(state: RenderState, max_bytes: int) -> tuple[Any, str]:
         out = None if limit is None else with_ids(prompt, encoder.encode(prompt["prompt"]), limit)
         return vllm_tokenize(prompt, params) if out is None else out
 
-    in_executor = make_async(tokenize_prompt, executor=renderer._executor)
-
     async def tokenize_prompt_async(prompt: Any, params: Any) -> Any:
         # A prompt that is nearly all cached costs less than the hop to vLLM's thread pool: done here.
         limit = cacheable(prompt, params)
@@ -257,12 +255,10 @@ def install_prompt_cache(state: RenderState, max_bytes: int) -> tuple[Any, str]:
             out = with_ids(prompt, encoder.encode_within(prompt["prompt"], INLINE_NEW_CHARS), limit)
             if out is not None:
                 return out
-        return await in_executor(prompt, params)
+        return await in_thread(prompt, params)
 
     renderer._tokenize_prompt = tokenize_prompt
-    # vLLM bound the async twin to the old method when the renderer was built; it is replaced too.
     renderer._tokenize_prompt_async = tokenize_prompt_async
-    _tokenize_big_prompts_apart(renderer)  # again: around the twin just installed
     return encoder, reason
 
 
@@ -279,9 +275,13 @@ def _tokenize_big_prompts_apart(renderer: Any) -> None:
 
     from vllm.utils.async_utils import make_async
 
-    short = renderer._tokenize_prompt_async
-    # Looked up per call: whatever _tokenize_prompt is installed (the prompt cache wraps it).
-    long = make_async(lambda *a: renderer._tokenize_prompt(*a), executor=ThreadPoolExecutor(1, thread_name_prefix="render-long-prompts"))
+    def tokenize_in(executor: Any) -> Any:
+        # Looked up per call: whatever _tokenize_prompt is installed (the prompt cache replaces it later).
+        # vLLM's own async twin is bound to the method it was built with, so the short one is rebuilt too.
+        return make_async(lambda *a: renderer._tokenize_prompt(*a), executor=executor)
+
+    short = tokenize_in(renderer._executor)
+    long = tokenize_in(ThreadPoolExecutor(1, thread_name_prefix="render-long-prompts"))
 
     def tokenize(prompt: Any, params: Any) -> Any:
         text = prompt.get("prompt") if isinstance(prompt, dict) else None
