@@ -262,18 +262,14 @@ class ParserDerenderService:
             # A finished parser is never fed again; it is kept (apart from live streams) only for
             # the usage chunk that may follow.
             stream_key = (chunk.request_id, _FINISHED)
-        self.sessions.put(stream.key(stream_key), session, session.tokens)
+        self.sessions.put(state_key(o.config, session.prompt_key, stream_key, out_state), session, session.tokens)
         return out_chunk, out_state, o.outcome
 
     def _take(
         self, config: RequestConfig, prompt_ids: list[int], state: DerenderStreamState, stream_key: tuple[str, int | None]
     ) -> ParserSession | None:
         prompt = prompt_key(prompt_ids)
-        key = state_key(
-            config, prompt, state.output_token_ids, state.output_chunk_lens, stream_key,
-            state.role_sent, state.tools_streamed, state.last_tool_call_ids,
-        )
-        session = self.sessions.take(key)
+        session = self.sessions.take(state_key(config, prompt, stream_key, dict(state)))
         if session is not None and not session.matches(prompt, state):
             return None  # a digest collision: never feed another stream's parser
         return session

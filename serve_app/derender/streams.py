@@ -15,7 +15,7 @@ every engine chunk, so nothing makes a round trip.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import TypeAdapter
@@ -254,20 +254,13 @@ class ParserSession:
         return self.parser.count_reasoning_tokens(tuple(self.output_ids))
 
 
-def state_key(
-    config: RequestConfig,
-    prompt: bytes,
-    output_ids: list[int],
-    chunk_lens: list[int],
-    stream_key: tuple[str, int | None],
-    role_sent: bool,
-    tools_streamed: bool,
-    tool_call_ids: list[str],
-) -> bytes:
-    """The cache key of a stream's state: what the next chunk will carry (see ``sessions.state_digest``)."""
-    return state_digest(
-        config.key, prompt, output_ids, chunk_lens, (*stream_key, role_sent, tools_streamed, *tool_call_ids)
-    )
+def state_key(config: RequestConfig, prompt: bytes, stream_key: tuple[str, int | None], state: Mapping[str, Any]) -> bytes:
+    """The session-cache key of a stream state, read from the state itself: a chunk files its session
+    under the state it returns (:meth:`ChatStream.state`), the next looks it up under the state it
+    carries (``dict(DerenderStreamState)``, no copy), so the two keys agree by construction
+    (see ``sessions.state_digest``)."""
+    flags = (*stream_key, state["role_sent"], state["tools_streamed"], *state["last_tool_call_ids"])
+    return state_digest(config.key, prompt, state["output_token_ids"], state["output_chunk_lens"], flags)
 
 
 class ChatStream:
@@ -297,15 +290,6 @@ class ChatStream:
         """A fresh stream with a new parser session (the composed path). Over HTTP the parser service
         builds the stream around the session it found, or replayed, for the carried state."""
         return cls(kit, tok, config, name, prompt_tokens, ParserSession(kit, tok, config, prompt_token_ids), DerenderStreamState())
-
-    def key(self, stream_key: tuple[str, int | None]) -> bytes:
-        """The cache key the state this stream just returned will be looked up under."""
-        assert self.session is not None
-        s = self.session
-        return state_key(
-            self.config, s.prompt_key, s.output_ids, s.chunk_lens, stream_key,
-            self.role_sent, self.tools_streamed, self.tool_call_ids,
-        )
 
     def feed(self, generate_chunk: Any) -> dict[str, Any]:
         """One generate chunk (a dict or model) in, its chat chunk out."""
