@@ -13,7 +13,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Literal
 
@@ -378,7 +378,7 @@ class Ingress:
     async def _composed(
         self,
         request: Request,
-        compose: Callable[[dict[str, Any], str | None], Awaitable[bytes | AsyncIterator[dict[str, Any]]]],
+        compose: Callable[[dict[str, Any], str | None], Awaitable[bytes | AsyncGenerator[dict[str, Any], None]]],
         render: RenderMethod,
     ) -> Response:
         self._require_engine()
@@ -414,7 +414,7 @@ class Ingress:
         assert isinstance(out, bytes)
         return out
 
-    async def composed_chat_stream(self, body: dict[str, Any], request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def composed_chat_stream(self, body: dict[str, Any], request_id: str | None = None) -> AsyncGenerator[dict[str, Any], None]:
         """What ``/v1/chat/completions`` streams, as chunk dicts (an in-band error dict last if it fails).
         Cancelling the call aborts the engine request."""
         chunks = await self._composer().chat({**body, "stream": True}, request_id)
@@ -423,7 +423,7 @@ class Ingress:
             async for chunk in chunks:
                 yield chunk
         finally:
-            await chunks.aclose()  # type: ignore[attr-defined]
+            await chunks.aclose()
 
     @api.get("/metrics")
     async def prometheus(self) -> Response:
