@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from serve_app.config import AppArgs, ResolvedModel
@@ -271,11 +271,11 @@ def _tokenize_big_prompts_apart(renderer: Any) -> None:
     (a 2 MB ``/tokenize`` prompt: over a second; vLLM bounds only what has a token limit) held up every
     request of the replica behind it. Long texts get a worker of their own, so a short one never waits
     for them. Safe: vLLM's HF tokenizer lends each thread its own copy (``maybe_make_thread_pool``)."""
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import Executor, ThreadPoolExecutor
 
     from vllm.utils.async_utils import make_async
 
-    def tokenize_in(executor: Any) -> Any:
+    def tokenize_in(executor: Executor) -> Callable[..., Awaitable[Any]]:
         # Looked up per call: whatever _tokenize_prompt is installed (the prompt cache replaces it later).
         # vLLM's own async twin is bound to the method it was built with, so the short one is rebuilt too.
         return make_async(lambda *a: renderer._tokenize_prompt(*a), executor=executor)
