@@ -250,8 +250,9 @@ def install_prompt_cache(state: RenderState, max_bytes: int) -> tuple[Any, str]:
 
     async def tokenize_prompt_async(prompt: Any, params: Any) -> Any:
         # A prompt that is nearly all cached costs less than the hop to vLLM's thread pool: done here.
+        # A big one still goes to its own thread, as the split sends it.
         limit = cacheable(prompt, params)
-        if limit is not None:
+        if limit is not None and not _is_big_prompt(prompt):
             out = with_ids(prompt, encoder.encode_within(prompt["prompt"], INLINE_NEW_CHARS), limit)
             if out is not None:
                 return out
@@ -284,10 +285,14 @@ def _tokenize_big_prompts_apart(renderer: Any) -> None:
     long = tokenize_in(ThreadPoolExecutor(1, thread_name_prefix="render-long-prompts"))
 
     def tokenize(prompt: Any, params: Any) -> Any:
-        text = prompt.get("prompt") if isinstance(prompt, dict) else None
-        return (long if isinstance(text, str) and len(text) > BIG_PROMPT_CHARS else short)(prompt, params)
+        return (long if _is_big_prompt(prompt) else short)(prompt, params)
 
     renderer._tokenize_prompt_async = tokenize
+
+
+def _is_big_prompt(prompt: Any) -> bool:
+    text = prompt.get("prompt") if isinstance(prompt, dict) else None
+    return isinstance(text, str) and len(text) > BIG_PROMPT_CHARS
 
 
 class RawRequest:
