@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from serve_app.config import AppArgs, ResolvedModel
@@ -217,8 +217,6 @@ def install_prompt_cache(state: RenderState, max_bytes: int) -> tuple[Any, str]:
     Only what the cache encodes exactly takes it: no special tokens added (chat; completions that ask),
     no offsets, the ids within the truncation length. Everything else calls vLLM's method as before.
     """
-    from vllm.utils.async_utils import make_async
-
     from serve_app.render_cache import PrefixTokenizer
 
     templates = state.chat_templates()
@@ -229,6 +227,8 @@ def install_prompt_cache(state: RenderState, max_bytes: int) -> tuple[Any, str]:
     if encoder is None:
         return None, reason
     vllm_tokenize = renderer._tokenize_prompt
+    # build_render_state's split by size: each thread calls whatever _tokenize_prompt is installed, so below.
+    in_thread = renderer._tokenize_prompt_async
 
     def cacheable(prompt: Any, params: Any) -> int | None:
         """The truncation length (0: none) if the cache may encode this prompt, else ``None``."""
@@ -248,21 +248,18 @@ def install_prompt_cache(state: RenderState, max_bytes: int) -> tuple[Any, str]:
         out = None if limit is None else with_ids(prompt, encoder.encode(prompt["prompt"]), limit)
         return vllm_tokenize(prompt, params) if out is None else out
 
-    in_executor = make_async(tokenize_prompt, executor=renderer._executor)
-
     async def tokenize_prompt_async(prompt: Any, params: Any) -> Any:
         # A prompt that is nearly all cached costs less than the hop to vLLM's thread pool: done here.
+        # A big one still goes to its own thread, as the split sends it.
         limit = cacheable(prompt, params)
-        if limit is not None:
+        if limit is not None and not _is_big_prompt(prompt):
             out = with_ids(prompt, encoder.encode_within(prompt["prompt"], INLINE_NEW_CHARS), limit)
             if out is not None:
                 return out
-        return await in_executor(prompt, params)
+        return await in_thread(prompt, params)
 
     renderer._tokenize_prompt = tokenize_prompt
-    # vLLM bound the async twin to the old method when the renderer was built; it is replaced too.
     renderer._tokenize_prompt_async = tokenize_prompt_async
-    _tokenize_big_prompts_apart(renderer)  # again: around the twin just installed
     return encoder, reason
 
 
@@ -275,19 +272,27 @@ def _tokenize_big_prompts_apart(renderer: Any) -> None:
     (a 2 MB ``/tokenize`` prompt: over a second; vLLM bounds only what has a token limit) held up every
     request of the replica behind it. Long texts get a worker of their own, so a short one never waits
     for them. Safe: vLLM's HF tokenizer lends each thread its own copy (``maybe_make_thread_pool``)."""
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import Executor, ThreadPoolExecutor
 
     from vllm.utils.async_utils import make_async
 
-    short = renderer._tokenize_prompt_async
-    # Looked up per call: whatever _tokenize_prompt is installed (the prompt cache wraps it).
-    long = make_async(lambda *a: renderer._tokenize_prompt(*a), executor=ThreadPoolExecutor(1, thread_name_prefix="render-long-prompts"))
+    def tokenize_in(executor: Executor) -> Callable[..., Awaitable[Any]]:
+        # Looked up per call: whatever _tokenize_prompt is installed (the prompt cache replaces it later).
+        # vLLM's own async twin is bound to the method it was built with, so the short one is rebuilt too.
+        return make_async(lambda *a: renderer._tokenize_prompt(*a), executor=executor)
+
+    short = tokenize_in(renderer._executor)
+    long = tokenize_in(ThreadPoolExecutor(1, thread_name_prefix="render-long-prompts"))
 
     def tokenize(prompt: Any, params: Any) -> Any:
-        text = prompt.get("prompt") if isinstance(prompt, dict) else None
-        return (long if isinstance(text, str) and len(text) > BIG_PROMPT_CHARS else short)(prompt, params)
+        return (long if _is_big_prompt(prompt) else short)(prompt, params)
 
     renderer._tokenize_prompt_async = tokenize
+
+
+def _is_big_prompt(prompt: Any) -> bool:
+    text = prompt.get("prompt") if isinstance(prompt, dict) else None
+    return isinstance(text, str) and len(text) > BIG_PROMPT_CHARS
 
 
 class RawRequest:

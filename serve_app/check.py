@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from serve_app.config import AppArgs, ResolvedModel
 
 __all__ = ["CheckFailed", "check_config", "main"]
 
@@ -23,7 +26,7 @@ class CheckFailed(Exception):
     """The one-line reason ``check`` exits non-zero."""
 
 
-def _deployment_classes(args: Any) -> dict[str, tuple[Any, str]]:
+def _deployment_classes(args: AppArgs) -> dict[str, tuple[Any, str]]:
     """The graph build_app binds: Serve name -> (class, key under ``args.deployments``)."""
     from serve_app.derender.parser import ParserDerender
     from serve_app.derender.plain import PlainDerender
@@ -44,7 +47,7 @@ def _deployment_classes(args: Any) -> dict[str, tuple[Any, str]]:
     return graph
 
 
-def deployment_plan(args: Any, serve_overrides: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def deployment_plan(args: AppArgs, serve_overrides: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each deployment's options as Serve will run them: build_app's defaults with ``args.deployments``
     deep-merged over them (and the Engine's placement group, where build_app adds one), then the
     config's ``deployments:`` entries, whose keys Serve replaces whole."""
@@ -78,7 +81,7 @@ def replica_resources(options: dict[str, Any]) -> tuple[int, float, float]:
     return replicas, float(actor.get("num_cpus", 1)), float(actor.get("num_gpus", 0))
 
 
-def _parser_flags(args: Any, model: Any) -> str:
+def _parser_flags(args: AppArgs, model: ResolvedModel) -> str:
     from serve_app._vllm import vllm_cli_args
 
     argv = vllm_cli_args(args, model)
@@ -91,7 +94,7 @@ def _parser_flags(args: Any, model: Any) -> str:
                 i += 1
             continue
         if argv[i] == "--chat-template":
-            source = "file " + args.chat_template if model.chat_template else args.chat_template
+            source = f"file {args.chat_template}" if model.chat_template else args.chat_template
             out.append(f"--chat-template <{source}>")
             i += 2
             continue
@@ -100,7 +103,7 @@ def _parser_flags(args: Any, model: Any) -> str:
     return " ".join(out)
 
 
-def _check_chat_template(args: Any, model: Any) -> None:
+def _check_chat_template(args: AppArgs, model: ResolvedModel) -> None:
     """vLLM loads the template as it will at render start (a file is read already; a name is one of vLLM's)."""
     if not args.chat_template or model.chat_template:
         return

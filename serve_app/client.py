@@ -234,7 +234,7 @@ class ChatDerenderStream:
             "prompt_token_ids": prompt_token_ids,
             "chat_request": chat_request,
         }
-        self.stream_states: dict[int, Any] = {}
+        self.stream_states: dict[int, dict[str, Any]] = {}
         """The last ``stream_state`` per choice index."""
 
     async def derender(self, generate_chunk: GenerateTokensStreamResponse | dict[str, Any]) -> dict[str, Any]:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from serve_app.derender.stop import engine_stop_reason
 from serve_app.errors import envelope
@@ -30,6 +30,9 @@ from serve_app.logs import get_logger
 from serve_app.streaming import cancel_on_close, peek
 from serve_app.timeouts import within
 from serve_app.wire import stream_flag
+
+if TYPE_CHECKING:
+    from serve_app.config import AppArgs, ResolvedModel
 
 __all__ = [
     "ChatDerender",
@@ -54,8 +57,8 @@ none left it is the 503 of :func:`serve_app.timeouts.within`."""
 class DerenderStream(Protocol):
     """One choice's in-memory derender stream."""
 
-    def feed(self, generate_chunk: Any) -> dict[str, Any]:
-        """A ``GenerateTokensStreamResponse`` (dict or model) in, the response chunk dict out."""
+    def feed(self, generate_chunk: dict[str, Any]) -> dict[str, Any]:
+        """A ``GenerateTokensStreamResponse`` dict in, the response chunk dict out."""
         ...
 
 
@@ -101,14 +104,14 @@ class Stages:
     render_chat: Callable[[dict[str, Any], str | None], Awaitable[bytes]]
     render_completion: Callable[[dict[str, Any], str | None], Awaitable[bytes]]
     generate: Callable[[dict[str, Any]], Awaitable[bytes]]
-    generate_stream: Callable[[dict[str, Any]], AsyncIterator[dict[str, Any]]]
+    generate_stream: Callable[[dict[str, Any]], AsyncGenerator[dict[str, Any], None]]
     # Whether render / the engine still has a replica a waiting call can reach (None: always).
     render_routable: Callable[[], bool] | None = None
     engine_routable: Callable[[], bool] | None = None
 
 
 def build_composed(
-    args: Any, model: Any, render: Any, engine: Any, chat: ChatDerender, completion: CompletionDerender
+    args: AppArgs, model: ResolvedModel, render: Any, engine: Any, chat: ChatDerender, completion: CompletionDerender
 ) -> ComposedService:
     """The composition for one Ingress replica: render and the engine by handle (or a colocated
     render's :class:`serve_app.stages.InProcess`), derender by the in-process services ``chat`` and
@@ -171,7 +174,7 @@ class ComposedService:
                 _retry_or_raise(exc, attempt, gen["request_id"])
         raise AssertionError("unreachable")
 
-    async def _first_chunk(self, open_stream: Callable[[], AsyncIterator[T]], request_id: str) -> AsyncIterator[T]:
+    async def _first_chunk(self, open_stream: Callable[[], AsyncGenerator[T, None]], request_id: str) -> AsyncGenerator[T, None]:
         """A stream from ``open_stream()``, its first chunk awaited (an error before it is still a
         status code); opened again, on another replica, when its replica died before that chunk."""
         for attempt in range(1, ENGINE_ATTEMPTS + 1):
@@ -184,7 +187,7 @@ class ComposedService:
 
     # --- chat -----------------------------------------------------------------------------------
 
-    async def chat(self, body: dict[str, Any], request_id: str | None = None) -> bytes | AsyncIterator[dict[str, Any]]:
+    async def chat(self, body: dict[str, Any], request_id: str | None = None) -> bytes | AsyncGenerator[dict[str, Any], None]:
         """``/v1/chat/completions``: the response JSON bytes, or (``stream``) an iterator of the chunk
         dicts (:func:`serve_app.streaming.sse_stream` frames them), ending with vLLM's in-band error
         dict if the stream fails once started.
@@ -212,8 +215,8 @@ class ComposedService:
         return self._chat_chunks(body, gen, chunks)
 
     async def _chat_chunks(
-        self, body: dict[str, Any], gen: dict[str, Any], chunks: AsyncIterator[dict[str, Any]]
-    ) -> AsyncIterator[dict[str, Any]]:
+        self, body: dict[str, Any], gen: dict[str, Any], chunks: AsyncGenerator[dict[str, Any], None]
+    ) -> AsyncGenerator[dict[str, Any], None]:
         prompt_ids, request_id = gen["token_ids"], gen["request_id"]
         streams: dict[int, DerenderStream] = {}
         try:
@@ -228,11 +231,11 @@ class ComposedService:
         except Exception as exc:  # the stream is committed: vLLM's in-band error frame
             yield _in_band_error(exc, request_id)
         finally:
-            await chunks.aclose()  # type: ignore[attr-defined]
+            await chunks.aclose()
 
     # --- completions ----------------------------------------------------------------------------
 
-    async def completion(self, body: dict[str, Any], request_id: str | None = None) -> bytes | AsyncIterator[dict[str, Any]]:
+    async def completion(self, body: dict[str, Any], request_id: str | None = None) -> bytes | AsyncGenerator[dict[str, Any], None]:
         """``/v1/completions``: every prompt rendered, generated concurrently, derendered together."""
         stream = stream_flag(body)
         rendering = self.stages.render_completion(body, request_id)
@@ -264,9 +267,9 @@ class ComposedService:
         self,
         body: dict[str, Any],
         gens: list[dict[str, Any]],
-        merged: AsyncIterator[tuple[int, dict[str, Any]]],
+        merged: AsyncGenerator[tuple[int, dict[str, Any]], None],
         synthesize_usage: bool,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         n = int((gens[0].get("sampling_params") or {}).get("n") or 1)
         request_id = _base_id(gens, gens[0])
         streams: dict[int, DerenderStream] = {}
@@ -299,7 +302,7 @@ class ComposedService:
         except Exception as exc:
             yield _in_band_error(exc, request_id)
         finally:
-            await merged.aclose()  # type: ignore[attr-defined]
+            await merged.aclose()
 
 
 def _retry_or_raise(exc: Exception, attempt: int, request_id: str) -> None:
@@ -346,7 +349,7 @@ async def _gather_or_cancel(calls: list[Awaitable[bytes]]) -> list[bytes]:
         raise
 
 
-async def merge(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+async def merge(streams: list[AsyncGenerator[dict[str, Any], None]]) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
     """Interleave several engine streams as chunks arrive, each tagged with its stream's position.
 
     When one fails, or the consumer stops, every pump is cancelled and awaited before the streams are
@@ -357,12 +360,12 @@ async def merge(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[t
             async for chunk in streams[0]:
                 yield 0, chunk
         finally:
-            await streams[0].aclose()  # type: ignore[attr-defined]
+            await streams[0].aclose()
         return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, stream: AsyncIterator[dict[str, Any]]) -> None:
+    async def pump(i: int, stream: AsyncGenerator[dict[str, Any], None]) -> None:
         try:
             async for chunk in stream:
                 await queue.put((i, chunk))
@@ -387,4 +390,4 @@ async def merge(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[t
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()

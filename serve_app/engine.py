@@ -24,7 +24,7 @@ from typing import Any
 
 from ray import serve
 
-from serve_app._vllm import RawRequest, call_vllm
+from serve_app._vllm import EngineState, RawRequest, call_vllm
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import BadRequestError, EngineStreamError
 from serve_app.heap import freeze_startup_heap
@@ -66,7 +66,7 @@ def check_token_ids(token_ids: list[int] | None, vocab_size: int) -> None:
 class EngineService:
     """Ray-free core: ``GenerateRequest`` JSON in, vLLM's ``/inference/v1/generate`` output out."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: EngineState) -> None:
         self.state = state
         self.serving = state.serving_tokens
         self.engine = state.engine_client

@@ -13,7 +13,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Literal
 
@@ -106,6 +106,19 @@ def _check_abort_ids(request_ids: Any, max_ids: int) -> None:
         raise BadRequestError(f"request_ids count ({len(request_ids)}) exceeds server maximum ({max_ids})", param="request_ids")
 
 
+def _with_middleware(app: FastAPI, args: AppArgs, http_metrics: HttpMetrics) -> FastAPI:
+    """``app`` with the HTTP edge's middleware, added per replica rather than at import because the
+    body limit and the API keys are configuration. ``http_metrics`` comes from the caller: Serve ships
+    ``Ingress`` by value with its own copy of this module's globals, so this function's ``metrics``
+    (imported by reference) would not be the one the routes count in and ``/metrics`` reads."""
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.limits.max_body_bytes)
+    app.add_middleware(BodyDeadlineMiddleware)  # a trickled body: 408 (serve_app/front_door.py)
+    if keys := args.api_keys():
+        app.add_middleware(ApiKeyMiddleware, keys=keys)
+    app.add_middleware(MetricsMiddleware, metrics=http_metrics)  # outermost: counts 401s and 413s too
+    return app
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(api)
 class Ingress:
@@ -145,15 +158,14 @@ class Ingress:
         self.health = StageHealth(serve.get_replica_context().app_name)
         self._engine_sse: Any = engine.options(stream=True, method_name="generate_sse") if engine is not None else None
         self._background: set[asyncio.Task] = set()
-        # Added here, not at import, because the limit is configuration.
-        api.user_middleware.clear()
-        api.add_middleware(BodySizeLimitMiddleware, max_bytes=args.limits.max_body_bytes)
-        api.add_middleware(BodyDeadlineMiddleware)  # a trickled body: 408 (serve_app/front_door.py)
-        if keys := args.api_keys():
-            api.add_middleware(ApiKeyMiddleware, keys=keys)
-        api.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts 401s and 413s too
-        api.middleware_stack = None  # rebuilt on the first request with the middleware above
         freeze_startup_heap()
+
+    app: FastAPI  # this replica's copy of ``api``: Serve's wrapper sets it after __init__
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """The app this replica serves (Serve calls this after ``__init__``): its copy of ``api``, which
+        Serve froze when the class was decorated, with the middleware this deployment's configuration asks for."""
+        return _with_middleware(self.app, self.args, metrics)
 
     @api.api_route("/health", methods=["GET", "HEAD"])
     async def health(self) -> Response:
@@ -366,7 +378,7 @@ class Ingress:
     async def _composed(
         self,
         request: Request,
-        compose: Callable[[dict[str, Any], str | None], Awaitable[bytes | AsyncIterator[dict[str, Any]]]],
+        compose: Callable[[dict[str, Any], str | None], Awaitable[bytes | AsyncGenerator[dict[str, Any], None]]],
         render: RenderMethod,
     ) -> Response:
         self._require_engine()
@@ -402,7 +414,7 @@ class Ingress:
         assert isinstance(out, bytes)
         return out
 
-    async def composed_chat_stream(self, body: dict[str, Any], request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def composed_chat_stream(self, body: dict[str, Any], request_id: str | None = None) -> AsyncGenerator[dict[str, Any], None]:
         """What ``/v1/chat/completions`` streams, as chunk dicts (an in-band error dict last if it fails).
         Cancelling the call aborts the engine request."""
         chunks = await self._composer().chat({**body, "stream": True}, request_id)
@@ -411,7 +423,7 @@ class Ingress:
             async for chunk in chunks:
                 yield chunk
         finally:
-            await chunks.aclose()  # type: ignore[attr-defined]
+            await chunks.aclose()
 
     @api.get("/metrics")
     async def prometheus(self) -> Response:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -180,7 +180,7 @@ class HttpMetrics:
             for cause in STREAM_ERROR_CAUSES:
                 self.stream_errors.labels(route, cause)
 
-    async def timed(self, chunks: AsyncIterator[dict[str, Any]], scope: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def timed(self, chunks: AsyncGenerator[dict[str, Any], None], scope: Mapping[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         """A composed stream's chunk dicts, passed through, timed for the route's time to first token
         (from the request's arrival) and inter-token latency (between chunks with tokens; usage-only
         chunks and the in-band error carry none)."""
@@ -195,7 +195,7 @@ class HttpMetrics:
                     histogram, last = itl, now
                 yield chunk
         finally:
-            await chunks.aclose()  # type: ignore[attr-defined]
+            await chunks.aclose()
 
     def render(self) -> bytes:
         """The ``/metrics`` exposition (before any :meth:`set_replicas`: this replica's series, unlabelled)."""

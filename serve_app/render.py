@@ -21,7 +21,7 @@ from typing import Any
 
 from ray import serve
 
-from serve_app._vllm import RawRequest, call_vllm, install_prompt_cache
+from serve_app._vllm import RawRequest, RenderState, call_vllm, install_prompt_cache
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import BadRequestError
 from serve_app.heap import freeze_startup_heap
@@ -78,7 +78,7 @@ async def _validated(validate: Any, token_ids: list[int]) -> None:
 class RenderService:
     """Ray-free render core over vLLM's ``ServingRender`` and ``ServingTokenization``."""
 
-    def __init__(self, state: Any, cache_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, state: RenderState, cache_bytes: int = DEFAULT_MAX_BYTES) -> None:
         from serve_app._vllm import render_request_models
 
         self.state = state

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, TypeVar
 
 from serve_app.wire import dump_json
@@ -30,7 +30,7 @@ def sse_frame(obj: Any) -> bytes:
 _ERROR_FRAME = b'data: {"error"'
 
 
-async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def sse_stream(chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[bytes, None]:
     """Chunk dicts as vLLM's SSE body: one frame each, then ``[DONE]``; closing it closes ``chunks``.
 
     ``chunks`` is read ahead in a task while the body is written: the frames made meanwhile (a busy
@@ -74,11 +74,11 @@ async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[byt
     finally:
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
-        await chunks.aclose()  # type: ignore[attr-defined]
+        await chunks.aclose()
     yield SSE_DONE
 
 
-async def peek(stream: AsyncIterator[T]) -> tuple[T | None, AsyncIterator[T]]:
+async def peek(stream: AsyncGenerator[T, None]) -> tuple[T | None, AsyncGenerator[T, None]]:
     """``(first item or None when empty, the whole stream again)``; a failing first item closes the
     stream and raises."""
     try:
@@ -86,21 +86,21 @@ async def peek(stream: AsyncIterator[T]) -> tuple[T | None, AsyncIterator[T]]:
     except StopAsyncIteration:
         return None, stream
     except BaseException:
-        await stream.aclose()  # type: ignore[attr-defined]
+        await stream.aclose()
         raise
     return first, _prepend(first, stream)
 
 
-async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+async def _prepend(first: T, rest: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
     try:
         yield first
         async for item in rest:
             yield item
     finally:
-        await rest.aclose()  # type: ignore[attr-defined]
+        await rest.aclose()
 
 
-async def cancel_on_close(call: Any) -> AsyncIterator[Any]:
+async def cancel_on_close(call: Any) -> AsyncGenerator[Any, None]:
     """Iterate a streaming ``DeploymentResponseGenerator``; closing (or failing) cancels the call."""
     try:
         async for item in call:
@@ -109,7 +109,7 @@ async def cancel_on_close(call: Any) -> AsyncIterator[Any]:
         call.cancel()
 
 
-async def sse_response(frames: AsyncIterator[bytes]) -> Any:
+async def sse_response(frames: AsyncGenerator[bytes, None]) -> Any:
     """A ``text/event-stream`` response over ``frames``, its first frame awaited before the 200 is committed."""
     from fastapi.responses import StreamingResponse
 

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serve_app.derender.model import DerenderLimits
 from serve_app.derender.tokenizer import DetokTokenizer
 from serve_app.errors import ApiError, BadRequestError
 from serve_app.logs import get_logger
+
+if TYPE_CHECKING:
+    from serve_app.protocol import DerenderStreamState, GenerateTokensChoice, GenerateTokensStreamResponse
 
 __all__ = [
     "CHOICE_WORK",
@@ -35,7 +38,7 @@ __all__ = [
 logger = get_logger(__name__)
 
 
-def output_ids(choice: Any, where: str = "") -> list[int]:
+def output_ids(choice: GenerateTokensChoice, where: str = "") -> list[int]:
     """A whole choice's token ids: none is vLLM's 400, except for an abort that landed before the
     first token, which is a finished choice with no text (``finish_reason: "abort"``), as a stream's
     finish-only chunk is. ``where`` places the choice in the message (`` in response <id>``)."""
@@ -100,7 +103,7 @@ def check_prompt_ids(ids: Sequence[int] | None, limits: DerenderLimits) -> None:
         raise BadRequestError(f"prompt_token_ids length ({len(ids)}) exceeds max_model_len ({limits.max_model_len}).")
 
 
-def check_stream_chunk(chunk: Any, prompt_len: int, prior_len: int, limits: DerenderLimits) -> None:
+def check_stream_chunk(chunk: GenerateTokensStreamResponse, prompt_len: int, prior_len: int, limits: DerenderLimits) -> None:
     """A streaming chat chunk: one choice at most, and prompt + output so far + delta within the model."""
     if len(chunk.choices) > 1:
         raise BadRequestError(f"derender_chat_stream expects at most one choice per chunk (got {len(chunk.choices)}).")
@@ -202,7 +205,7 @@ def check_size(data: Any, limits: DerenderLimits) -> int:
     return tokens + logprobs + CHOICE_WORK * choices
 
 
-def check_stream_window(state: Any, tok: DetokTokenizer) -> None:
+def check_stream_window(state: DerenderStreamState, tok: DetokTokenizer) -> None:
     """A carried decode window that adds up: offsets inside ``prev_tokens``, pieces of this vocabulary.
 
     vLLM trusts it; a tampered one decodes garbage or fails deep inside (a 400 here instead).

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from serve_app.config import RequestLimits
+from serve_app.config import AppArgs, RequestLimits, ResolvedModel
 from serve_app.derender.stop import StopTokens
 from serve_app.derender.tokenizer import DetokTokenizer
 from serve_app.errors import NotFoundError
@@ -60,7 +60,7 @@ class DerenderModel:
     eos_token_ids: list[int]
 
     @classmethod
-    def from_config(cls, args: Any, model: Any) -> DerenderModel:
+    def from_config(cls, args: AppArgs, model: ResolvedModel) -> DerenderModel:
         """From the app's ``AppArgs`` and ``ResolvedModel``: loads the tokenizer (``tokenizers`` only)."""
         model = model.on_this_node()  # the builder may have run on another node
         tok = DetokTokenizer(model.tokenizer_dir, model.special_token_ids)

@@ -8,7 +8,7 @@ stream's chunks meet their live parser; any replica still answers any chunk, by 
 from __future__ import annotations
 
 import resource
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
@@ -16,10 +16,13 @@ from serve_app.config import AppArgs, ResolvedModel
 from serve_app.derender.parser_service import ParserDerenderService
 from serve_app.heap import freeze_startup_heap
 
+if TYPE_CHECKING:
+    from serve_app._vllm import RenderState
+
 __all__ = ["ParserDerender", "build_parser_service", "session_stats"]
 
 
-async def build_parser_service(args: AppArgs, model: ResolvedModel, render_state: Any = None) -> ParserDerenderService:
+async def build_parser_service(args: AppArgs, model: ResolvedModel, render_state: RenderState | None = None) -> ParserDerenderService:
     """The parser derender core (:meth:`ParserDerenderService.create`)."""
     return await ParserDerenderService.create(args, model, render_state)
 

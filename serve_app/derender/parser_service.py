@@ -36,11 +36,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import TypeAdapter
 
-from serve_app.config import ParserSessionArgs
+from serve_app.config import AppArgs, ParserSessionArgs, ResolvedModel
 from serve_app.derender.checks import (
     check_bounds,
     check_prompt_ids,
@@ -59,6 +59,9 @@ from serve_app.derender.whole import parser_chat
 from serve_app.errors import BadRequestError, InvalidChatRequest
 from serve_app.protocol import DerenderChatRequestUnion, DerenderChatStreamRequest, DerenderStreamState
 from serve_app.wire import dump_json, dump_json_floatless, load_body, validate_model
+
+if TYPE_CHECKING:
+    from serve_app._vllm import ParserKit, RenderState
 
 __all__ = ["ParserDerenderService", "SessionOutcome"]
 
@@ -92,7 +95,7 @@ class ParserDerenderService:
     """
 
     def __init__(
-        self, model: DerenderModel, kit: Any, cache: SessionCache[ParserSession], max_request_bytes: int = _MAX_REQUEST_BYTES
+        self, model: DerenderModel, kit: ParserKit, cache: SessionCache[ParserSession], max_request_bytes: int = _MAX_REQUEST_BYTES
     ) -> None:
         self.model = model
         self.kit = kit
@@ -101,7 +104,7 @@ class ParserDerenderService:
         self.max_request_bytes = max_request_bytes
 
     @classmethod
-    async def create(cls, args: Any, model: Any, render_state: Any = None) -> ParserDerenderService:
+    async def create(cls, args: AppArgs, model: ResolvedModel, render_state: RenderState | None = None) -> ParserDerenderService:
         """From the app's ``AppArgs`` and ``ResolvedModel``; ``render_state``: vLLM's render objects
         already built in this process (a colocated Render's), which the parsers then share."""
         from serve_app._vllm import build_parser_kit
@@ -262,18 +265,14 @@ class ParserDerenderService:
             # A finished parser is never fed again; it is kept (apart from live streams) only for
             # the usage chunk that may follow.
             stream_key = (chunk.request_id, _FINISHED)
-        self.sessions.put(stream.key(stream_key), session, session.tokens)
+        self.sessions.put(state_key(o.config, session.prompt_key, stream_key, out_state), session, session.tokens)
         return out_chunk, out_state, o.outcome
 
     def _take(
         self, config: RequestConfig, prompt_ids: list[int], state: DerenderStreamState, stream_key: tuple[str, int | None]
     ) -> ParserSession | None:
         prompt = prompt_key(prompt_ids)
-        key = state_key(
-            config, prompt, state.output_token_ids, state.output_chunk_lens, stream_key,
-            state.role_sent, state.tools_streamed, state.last_tool_call_ids,
-        )
-        session = self.sessions.take(key)
+        session = self.sessions.take(state_key(config, prompt, stream_key, dict(state)))
         if session is not None and not session.matches(prompt, state):
             return None  # a digest collision: never feed another stream's parser
         return session

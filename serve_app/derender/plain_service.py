@@ -17,7 +17,7 @@ thread so the loop (other requests, ``/health``) keeps turning.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
 
@@ -36,6 +36,9 @@ from serve_app.protocol import (
     DerenderCompletionStreamRequest,
 )
 from serve_app.wire import dump_json, load_body, validate_model
+
+if TYPE_CHECKING:
+    from serve_app.config import AppArgs, ResolvedModel
 
 __all__ = ["PlainDerenderService"]
 
@@ -66,14 +69,14 @@ class PlainDerenderService:
         self.tok = model.tok
 
     @classmethod
-    def create(cls, args: Any, model: Any) -> PlainDerenderService:
+    def create(cls, args: AppArgs, model: ResolvedModel) -> PlainDerenderService:
         """From the app's ``AppArgs`` and ``ResolvedModel`` (loads the tokenizer: ``tokenizers`` only)."""
         return cls(DerenderModel.from_config(args, model))
 
     # --- in-process streams (the composed OpenAI path) ---------------------------------------
 
     def open_chat_stream(
-        self, chat_request: Any, prompt_token_ids: list[int], prompt_tokens: int | None = None, model: str | None = None
+        self, chat_request: dict[str, Any], prompt_token_ids: list[int], prompt_tokens: int | None = None, model: str | None = None
     ) -> PlainStream:
         """One choice's chat stream held in memory: ``feed(generate_chunk)`` -> the chat chunk dict."""
         config = RequestConfig.plain(self.model, ChatCompletionRequest.model_validate(chat_request))
@@ -81,7 +84,7 @@ class PlainDerenderService:
         return PlainChatStream.open(self.model, config, prompt_token_ids, name=name, prompt_tokens=prompt_tokens)
 
     def open_completion_stream(
-        self, completion_request: Any, prompt_token_ids: list[int], prompt_tokens: int | None = None, model: str | None = None
+        self, completion_request: dict[str, Any], prompt_token_ids: list[int], prompt_tokens: int | None = None, model: str | None = None
     ) -> PlainStream:
         """One choice's completions stream held in memory: ``feed(generate_chunk)`` -> the chunk dict."""
         config = RequestConfig.plain(self.model, CompletionRequest.model_validate(completion_request))

@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from hashlib import blake2b
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -21,6 +21,9 @@ from serve_app.derender.model import DerenderModel
 from serve_app.derender.sessions import SessionCache
 from serve_app.derender.stop import StopTokens
 from serve_app.errors import ApiError, InvalidChatRequest, invalid_request, validation_error
+
+if TYPE_CHECKING:
+    from serve_app._vllm import ParserKit
 
 __all__ = ["CONFIG_CACHE_SIZE", "RequestConfig", "RequestConfigs", "parser_config"]
 
@@ -90,7 +93,7 @@ class RequestConfigs:
         return self._cache.tokens
 
 
-def parser_config(kit: Any, model: DerenderModel, raw: dict[str, Any], key: bytes) -> RequestConfig:
+def parser_config(kit: ParserKit, model: DerenderModel, raw: dict[str, Any], key: bytes) -> RequestConfig:
     """A chat request checked as ``vllm serve`` checks it (``kit``: :class:`serve_app._vllm.ParserKit`).
 
     Raises:

@@ -8,9 +8,12 @@ microseconds, and ``tests/differential`` pins every key against vLLM's models.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serve_app.wire import dump_json
+
+if TYPE_CHECKING:
+    from serve_app.protocol import GenerateTokensResponse, GenerateTokensStreamResponse, UsageInfo
 
 __all__ = [
     "assistant_message",
@@ -39,7 +42,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     }
 
 
-def stream_usage(chunk_usage: Any, prompt_tokens: int | None) -> dict[str, Any] | None:
+def stream_usage(chunk_usage: UsageInfo | None, prompt_tokens: int | None) -> dict[str, Any] | None:
     """A streamed chunk's usage: the engine's, with the request's prompt token count when it has one."""
     if chunk_usage is None:
         return None
@@ -51,7 +54,7 @@ def dump_model(model: Any) -> Any:
     return model.model_dump() if model is not None else None
 
 
-def chat_response(gen: Any, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]) -> bytes:
+def chat_response(gen: GenerateTokensResponse, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]) -> bytes:
     """A non-streaming ``ChatCompletionResponse`` for generate response ``gen``, as JSON bytes."""
     return dump_json(
         {
@@ -73,7 +76,9 @@ def chat_response(gen: Any, model: str, choices: list[dict[str, Any]], usage: di
     )
 
 
-def chat_chunk(chunk: Any, model: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+def chat_chunk(
+    chunk: GenerateTokensStreamResponse, model: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None
+) -> dict[str, Any]:
     """A ``chat.completion.chunk`` for generate chunk ``chunk``."""
     return {
         "id": chunk.request_id,
@@ -89,7 +94,7 @@ def chat_chunk(chunk: Any, model: str, choices: list[dict[str, Any]], usage: dic
     }
 
 
-def completion_response(responses: list[Any], model: str, choices: list[dict[str, Any]], usage: dict[str, Any]) -> bytes:
+def completion_response(responses: list[GenerateTokensResponse], model: str, choices: list[dict[str, Any]], usage: dict[str, Any]) -> bytes:
     """A non-streaming ``CompletionResponse`` for ``responses`` (one per prompt), as JSON bytes."""
     first = responses[0]
     kv = first.kv_transfer_params
@@ -112,7 +117,9 @@ def completion_response(responses: list[Any], model: str, choices: list[dict[str
     )
 
 
-def completion_chunk(chunk: Any, model: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+def completion_chunk(
+    chunk: GenerateTokensStreamResponse, model: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None
+) -> dict[str, Any]:
     """A streamed ``text_completion`` chunk for generate chunk ``chunk``."""
     return {
         "id": chunk.request_id,
@@ -127,7 +134,8 @@ def completion_chunk(chunk: Any, model: str, choices: list[dict[str, Any]], usag
 
 
 def chat_choice(
-    index: int, message: dict[str, Any], logprobs: Any, finish_reason: str | None, stop_reason: Any, token_ids: Any
+    index: int, message: dict[str, Any],
+    logprobs: Any, finish_reason: str | None, stop_reason: int | str | None, token_ids: list[int] | None
 ) -> dict[str, Any]:
     """A ``ChatCompletionResponseChoice``."""
     return {
@@ -155,7 +163,7 @@ def assistant_message(content: str) -> dict[str, Any]:
 
 
 def chat_delta_choice(
-    index: int, delta: dict[str, Any], logprobs: Any, finish_reason: str | None, stop_reason: Any, token_ids: Any
+    index: int, delta: dict[str, Any], logprobs: Any, finish_reason: str | None, stop_reason: int | str | None, token_ids: list[int] | None
 ) -> dict[str, Any]:
     """A ``ChatCompletionResponseStreamChoice``."""
     return {
@@ -168,7 +176,7 @@ def chat_delta_choice(
     }
 
 
-def completion_choice(index: int, text: str, logprobs: Any, finish_reason: str | None, stop_reason: Any) -> dict[str, Any]:
+def completion_choice(index: int, text: str, logprobs: Any, finish_reason: str | None, stop_reason: int | str | None) -> dict[str, Any]:
     """A ``CompletionResponseChoice``."""
     return {
         "index": index,
@@ -183,7 +191,9 @@ def completion_choice(index: int, text: str, logprobs: Any, finish_reason: str |
     }
 
 
-def completion_delta_choice(index: int, text: str, logprobs: Any, finish_reason: str | None, stop_reason: Any) -> dict[str, Any]:
+def completion_delta_choice(
+    index: int, text: str, logprobs: Any, finish_reason: str | None, stop_reason: int | str | None
+) -> dict[str, Any]:
     """A streamed ``CompletionResponseStreamChoice``."""
     return {
         "index": index,
@@ -224,7 +234,7 @@ def stream_state(
     }
 
 
-def _prompt_logprobs(gen: Any) -> Any:
+def _prompt_logprobs(gen: GenerateTokensResponse) -> Any:
     if gen.prompt_logprobs is None:
         return None
     return [None if d is None else {k: v.model_dump() for k, v in d.items()} for d in gen.prompt_logprobs]

@@ -40,14 +40,14 @@ class StopTokens:
         get = request.get if isinstance(request, dict) else lambda k: getattr(request, k, None)
         return cls(eos_token_ids, get("stop_token_ids"), bool(get("include_stop_str_in_output")))
 
-    def ends_on_stop(self, token_ids: Sequence[int] | None, finish_reason: str | None, stop_reason: Any) -> bool:
+    def ends_on_stop(self, token_ids: Sequence[int] | None, finish_reason: str | None, stop_reason: int | str | None) -> bool:
         """True when the last of ``token_ids`` (a choice's output, or its final chunk) is the stop token."""
         if finish_reason != "stop" or not token_ids or self.keep_text or isinstance(stop_reason, str):
             return False
         last = token_ids[-1]
         return last in self.ids if stop_reason is None else last == stop_reason
 
-    def text_ids(self, token_ids: Sequence[int], finish_reason: str | None, stop_reason: Any) -> Sequence[int]:
+    def text_ids(self, token_ids: Sequence[int], finish_reason: str | None, stop_reason: int | str | None) -> Sequence[int]:
         """The ids whose text the answer shows: all of them, or all but the stop token."""
         return token_ids[:-1] if self.ends_on_stop(token_ids, finish_reason, stop_reason) else token_ids
 

@@ -15,8 +15,8 @@ every engine chunk, so nothing makes a round trip.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
 
@@ -36,14 +36,17 @@ from serve_app.derender.responses import (
 from serve_app.derender.sessions import prompt_key, state_digest
 from serve_app.derender.tokenizer import DetokTokenizer
 from serve_app.errors import BadRequestError
-from serve_app.protocol import DerenderStreamState, GenerateTokensStreamChoice, GenerateTokensStreamResponse
+from serve_app.protocol import DerenderStreamState, GenerateTokensStreamChoice, GenerateTokensStreamResponse, UsageInfo
+
+if TYPE_CHECKING:
+    from serve_app._vllm import ParserKit
 
 __all__ = ["ChatStream", "ParserSession", "PlainChatStream", "PlainCompletionStream", "PlainStream", "state_key"]
 
 _STREAM_CHUNK = TypeAdapter(GenerateTokensStreamResponse)
 
 
-def _chunk_model(generate_chunk: Any) -> GenerateTokensStreamResponse:
+def _chunk_model(generate_chunk: dict[str, Any] | GenerateTokensStreamResponse) -> GenerateTokensStreamResponse:
     """A generate chunk as the engine's dict (the composed path) or already validated (HTTP)."""
     if isinstance(generate_chunk, dict):
         return _STREAM_CHUNK.validate_python(generate_chunk)
@@ -92,7 +95,7 @@ class PlainStream:
         window = seed_window(model.tok, ids, config.skip_special_tokens)
         return cls(model, config, name, prompt_tokens, prompt_len, window, DerenderStreamState(), False)
 
-    def feed(self, generate_chunk: Any) -> dict[str, Any]:
+    def feed(self, generate_chunk: dict[str, Any] | GenerateTokensStreamResponse) -> dict[str, Any]:
         """One generate chunk (a dict or model) in, its response chunk out."""
         return self.step(_chunk_model(generate_chunk))
 
@@ -194,7 +197,7 @@ class ParserSession:
 
     __slots__ = ("kit", "tok", "config", "parser", "window", "prompt_key", "prompt_token_ids", "output_ids", "chunk_lens")
 
-    def __init__(self, kit: Any, tok: DetokTokenizer, config: RequestConfig, prompt_token_ids: list[int]) -> None:
+    def __init__(self, kit: ParserKit, tok: DetokTokenizer, config: RequestConfig, prompt_token_ids: list[int]) -> None:
         self.kit, self.tok, self.config = kit, tok, config
         self.parser = kit.new_parser(config.request, config.template_kwargs)
         self.window = seed_window(tok, prompt_token_ids, config.skip_special_tokens)
@@ -205,7 +208,7 @@ class ParserSession:
 
     @classmethod
     def replay(
-        cls, kit: Any, tok: DetokTokenizer, config: RequestConfig, prompt_ids: list[int], state: DerenderStreamState
+        cls, kit: ParserKit, tok: DetokTokenizer, config: RequestConfig, prompt_ids: list[int], state: DerenderStreamState
     ) -> ParserSession:
         """vLLM's replay: a fresh parser fed every carried chunk at its original boundaries."""
         session = cls(kit, tok, config, prompt_ids)
@@ -254,20 +257,13 @@ class ParserSession:
         return self.parser.count_reasoning_tokens(tuple(self.output_ids))
 
 
-def state_key(
-    config: RequestConfig,
-    prompt: bytes,
-    output_ids: list[int],
-    chunk_lens: list[int],
-    stream_key: tuple[str, int | None],
-    role_sent: bool,
-    tools_streamed: bool,
-    tool_call_ids: list[str],
-) -> bytes:
-    """The cache key of a stream's state: what the next chunk will carry (see ``sessions.state_digest``)."""
-    return state_digest(
-        config.key, prompt, output_ids, chunk_lens, (*stream_key, role_sent, tools_streamed, *tool_call_ids)
-    )
+def state_key(config: RequestConfig, prompt: bytes, stream_key: tuple[str, int | None], state: Mapping[str, Any]) -> bytes:
+    """The session-cache key of a stream state, read from the state itself: a chunk files its session
+    under the state it returns (:meth:`ChatStream.state`), the next looks it up under the state it
+    carries (``dict(DerenderStreamState)``, no copy), so the two keys agree by construction
+    (see ``sessions.state_digest``)."""
+    flags = (*stream_key, state["role_sent"], state["tools_streamed"], *state["last_tool_call_ids"])
+    return state_digest(config.key, prompt, state["output_token_ids"], state["output_chunk_lens"], flags)
 
 
 class ChatStream:
@@ -278,7 +274,7 @@ class ChatStream:
                  "role_sent", "tools_streamed", "tool_call_ids", "context")
 
     def __init__(
-        self, kit: Any, tok: DetokTokenizer, config: RequestConfig, model: str, prompt_tokens: int | None,
+        self, kit: ParserKit, tok: DetokTokenizer, config: RequestConfig, model: str, prompt_tokens: int | None,
         session: ParserSession | None, carried: DerenderStreamState,
     ) -> None:
         self.kit, self.tok, self.config, self.model, self.prompt_tokens = kit, tok, config, model, prompt_tokens
@@ -291,23 +287,14 @@ class ChatStream:
 
     @classmethod
     def open(
-        cls, kit: Any, tok: DetokTokenizer, config: RequestConfig, prompt_token_ids: list[int], *, name: str,
+        cls, kit: ParserKit, tok: DetokTokenizer, config: RequestConfig, prompt_token_ids: list[int], *, name: str,
         prompt_tokens: int | None = None,
     ) -> ChatStream:
         """A fresh stream with a new parser session (the composed path). Over HTTP the parser service
         builds the stream around the session it found, or replayed, for the carried state."""
         return cls(kit, tok, config, name, prompt_tokens, ParserSession(kit, tok, config, prompt_token_ids), DerenderStreamState())
 
-    def key(self, stream_key: tuple[str, int | None]) -> bytes:
-        """The cache key the state this stream just returned will be looked up under."""
-        assert self.session is not None
-        s = self.session
-        return state_key(
-            self.config, s.prompt_key, s.output_ids, s.chunk_lens, stream_key,
-            self.role_sent, self.tools_streamed, self.tool_call_ids,
-        )
-
-    def feed(self, generate_chunk: Any) -> dict[str, Any]:
+    def feed(self, generate_chunk: dict[str, Any] | GenerateTokensStreamResponse) -> dict[str, Any]:
         """One generate chunk (a dict or model) in, its chat chunk out."""
         return self.step(_chunk_model(generate_chunk))
 
@@ -331,7 +318,7 @@ class ChatStream:
             last_tool_call_ids=list(self.tool_call_ids),
         )
 
-    def _usage(self, chunk_usage: Any) -> dict[str, Any] | None:
+    def _usage(self, chunk_usage: UsageInfo | None) -> dict[str, Any] | None:
         out = stream_usage(chunk_usage, self.prompt_tokens)
         if out is not None and self.kit.has_reasoning_parser:
             # As vllm serve: reasoning tokens of the output so far (this choice's: a stream carries one).

@@ -7,7 +7,7 @@ once per choice, so a request whose caller went away stops decoding in the worke
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serve_app.derender.checks import output_ids
 from serve_app.derender.detokenize import detokenize_delta, seed_window
@@ -24,6 +24,9 @@ from serve_app.derender.responses import (
 )
 from serve_app.errors import BadRequestError
 from serve_app.protocol import DerenderChatRequest, DerenderCompletionRequest, GenerateTokensChoice
+
+if TYPE_CHECKING:
+    from serve_app._vllm import ParserKit
 
 __all__ = ["parser_chat", "plain_chat", "plain_completion"]
 
@@ -70,7 +73,7 @@ def plain_completion(model: DerenderModel, config: RequestConfig, name: str, req
     return completion_response(responses, name, choices, usage(total_prompt, total_completion))
 
 
-def parser_chat(kit: Any, model: DerenderModel, config: RequestConfig, name: str, request: DerenderChatRequest) -> bytes:
+def parser_chat(kit: ParserKit, model: DerenderModel, config: RequestConfig, name: str, request: DerenderChatRequest) -> bytes:
     """A ``chat.completion`` as ``vllm serve`` builds it: each choice parsed by a fresh vLLM parser."""
     gen = request.generate_response
     prompt_ids = request.prompt_token_ids if request.prompt_token_ids is not None else gen.prompt_token_ids
@@ -88,7 +91,7 @@ def parser_chat(kit: Any, model: DerenderModel, config: RequestConfig, name: str
 
 
 def _parser_choice(
-    kit: Any, model: DerenderModel, choice: GenerateTokensChoice, config: RequestConfig, prompt_ids: list[int]
+    kit: ParserKit, model: DerenderModel, choice: GenerateTokensChoice, config: RequestConfig, prompt_ids: list[int]
 ) -> tuple[dict[str, Any], int]:
     """One choice as ``vllm serve``'s ``chat_completion_full_generator`` builds it, and its
     reasoning-token count."""
