@@ -58,13 +58,11 @@ from bench.common.report import fmt, machine_info, machine_line, ratio, rerender
 from bench.common.serve_cluster import (
     make_run_env,
     prepare_driver,
-    replica_counts,
     session_outcomes,
     shipped_colocate,
-    start_app,
-    wait_haproxy_up,
+    start_ours,
 )
-from bench.common.servers import SCRIPTED_PROCESSOR, VllmRender, VllmServe, free_port, shown, wait_http
+from bench.common.servers import SCRIPTED_PROCESSOR, VllmRender, VllmServe, shown
 from bench.common.workloads import (
     MODEL,
     chat_prompt,
@@ -446,19 +444,9 @@ def ours_app_args(opts: argparse.Namespace) -> dict[str, Any]:
                        "max_num_seqs": max(opts.concurrency)}}
 
 
-def start_ours(opts: argparse.Namespace, setup: dict[str, Any]) -> str:
-    from serve_app.app import build_app
-    from serve_app.config import AppArgs
-
-    port = free_port()
-    args = AppArgs(**ours_app_args(opts))
-    t0 = time.monotonic()
-    start_app(lambda: build_app(args), port=port, namespace="load_bench")
-    base = f"http://127.0.0.1:{port}"
-    asyncio.run(wait_http(base + "/ready", 300, ok_in_a_row=2))
-    setup["ours_haproxy_replicas_up"] = asyncio.run(wait_haproxy_up(opts.ingress_replicas))
-    setup["ours_startup_s"] = time.monotonic() - t0
-    setup["ours_deployments"] = replica_counts()
+def launch_ours(opts: argparse.Namespace, setup: dict[str, Any]) -> str:
+    base, up = start_ours(ours_app_args(opts), namespace="load_bench", ingress=opts.ingress_replicas, ready_timeout=300)
+    setup.update(ours_haproxy_replicas_up=up["haproxy_replicas_up"], ours_startup_s=up["startup_s"], ours_deployments=up["deployments"])
     return base
 
 
@@ -529,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
         if "ours" in systems:
             progress("starting ours (Ray Serve, as make run)")
             ray_started = True
-            base = start_ours(opts, setup)
+            base = launch_ours(opts, setup)
             bases["ours"] = {"render": base, "serve": base}
             setup["ours_app_args"] = ours_app_args(opts)
             setup["ours_env"] = make_run_env()

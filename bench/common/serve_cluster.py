@@ -43,6 +43,27 @@ def shipped_colocate() -> list[str]:
 
     config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
     return list(config["applications"][0]["args"]["colocate_in_ingress"])
+
+
+_YAML_DEPLOYMENTS = {"Ingress": "ingress", "Render": "render", "PlainDerender": "plain_derender",
+                     "ParserDerender": "parser_derender", "Engine": "engine"}
+
+
+def shipped_app_args() -> dict[str, Any]:
+    """``serve_config.yaml``'s args with its per-deployment options folded into ``deployments`` (the builder
+    deep-merges them over each deployment's defaults, as Serve's override does)."""
+    import yaml
+
+    config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+    app = next(a for a in config["applications"] if a["name"] == APP_NAME)
+    args: dict[str, Any] = dict(app["args"])
+    deployments: dict[str, Any] = dict(args.get("deployments") or {})
+    for entry in app.get("deployments") or []:
+        entry = dict(entry)
+        key = _YAML_DEPLOYMENTS[entry.pop("name")]
+        deployments[key] = {**deployments.get(key, {}), **entry}
+    args["deployments"] = deployments
+    return args
 _QUIET = {"log_level": "WARNING", "enable_access_log": False}
 
 
@@ -71,6 +92,24 @@ def start_app(make_app: Callable[[], Any], *, port: int, namespace: str) -> tupl
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=_QUIET)
     serve.run(make_app(), name=APP_NAME, route_prefix="/", logging_config=_QUIET)
     return t1 - t0, time.monotonic() - t1
+
+
+def start_ours(app_args: dict[str, Any], *, namespace: str, ingress: int, ready_timeout: float) -> tuple[str, dict[str, Any]]:
+    """Our app built from ``app_args`` (a dict of ``AppArgs``) by :func:`start_app` on a free port, waited for
+    (``/ready`` twice in a row, ``ingress`` replicas UP in HAProxy). Returns its base URL and
+    ``haproxy_replicas_up``, ``startup_s``, ``deployments``."""
+    from bench.common.servers import free_port, wait_http
+    from serve_app.app import build_app
+    from serve_app.config import AppArgs
+
+    args = AppArgs(**app_args)
+    port = free_port()
+    t0 = time.monotonic()
+    start_app(lambda: build_app(args), port=port, namespace=namespace)
+    base = f"http://127.0.0.1:{port}"
+    asyncio.run(wait_http(base + "/ready", ready_timeout, ok_in_a_row=2))
+    up = asyncio.run(wait_haproxy_up(ingress))
+    return base, {"haproxy_replicas_up": up, "startup_s": time.monotonic() - t0, "deployments": replica_counts()}
 
 
 def replica_counts(app_name: str = APP_NAME) -> dict[str, int] | None:
