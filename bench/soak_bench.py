@@ -56,13 +56,13 @@ from typing import Any
 import orjson
 
 from bench.common.checked_http import CheckedClient, Tally
-from bench.common.kills import killer, parse_kills
+from bench.common.kills import parse_kills
 from bench.common.load import progress
 from bench.common.paths import LOGS, RESULTS
 from bench.common.report import machine_info, rerender, write_results
-from bench.common.sampling import haproxy_pids, sampler, stop_leftovers, take_sample
+from bench.common.sampling import haproxy_pids, sampled_run, stop_leftovers
 from bench.common.serve_cluster import make_run_env, prepare_driver, replica_counts, shipped_app_args, start_ours
-from bench.common.soak_report import analyse, plot_file, render_report
+from bench.common.soak_report import plot_file, print_verdicts, render_report
 from bench.common.workloads import (
     MODEL,
     chat_prompt,
@@ -116,11 +116,6 @@ def active_workers(frac: float, workers: int) -> int:
     return max(1, math.ceil(share * workers))
 
 
-# --------------------------------------------------------------------------------------------
-# The app, as `make run` starts it
-# --------------------------------------------------------------------------------------------
-
-
 def app_args_from_yaml(opts: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """``serve_config.yaml``'s args (per-deployment options folded in) with the cache bounds lowered.
     Returns (args, what was changed from the YAML)."""
@@ -137,11 +132,6 @@ def launch_ours(args: dict[str, Any], setup: dict[str, Any]) -> str:
     base, up = start_ours(args, namespace="soak_bench", ingress=ingress, ready_timeout=600)
     setup.update(haproxy_replicas_up=up["haproxy_replicas_up"], startup_s=up["startup_s"], deployments_at_start=up["deployments"])
     return base
-
-
-# --------------------------------------------------------------------------------------------
-# Workload data
-# --------------------------------------------------------------------------------------------
 
 
 def build_workload() -> dict[str, Any]:
@@ -177,11 +167,6 @@ def bad_requests(wl: dict[str, Any]) -> list[tuple[str, str, str, bytes | None]]
         ("negative max_tokens", "POST", "/v1/chat/completions", orjson.dumps({"model": MODEL, "messages": msgs, "max_tokens": -1})),
         ("non-boolean stream", "POST", "/v1/chat/completions", orjson.dumps({"model": MODEL, "messages": msgs, "stream": "yes"})),
     ]
-
-
-# --------------------------------------------------------------------------------------------
-# Traffic
-# --------------------------------------------------------------------------------------------
 
 
 class Traffic(CheckedClient):
@@ -362,11 +347,6 @@ class Traffic(CheckedClient):
         await asyncio.gather(*(worker(i) for i in range(self.opts.workers)))
 
 
-# --------------------------------------------------------------------------------------------
-# Main
-# --------------------------------------------------------------------------------------------
-
-
 async def soak(base: str, wl: dict[str, Any], opts: argparse.Namespace, data: dict[str, Any]) -> None:
     import aiohttp
 
@@ -377,25 +357,15 @@ async def soak(base: str, wl: dict[str, Any], opts: argparse.Namespace, data: di
         progress("preflight: reference outputs, one of each request kind")
         data["preflight"] = await traffic.preflight()
         duration = opts.minutes * 60
-        t0 = time.perf_counter()
 
         def level_of(t: float) -> int:
             return active_workers(min(max(t, 0.0), duration) / duration, opts.workers) if 0 <= t < duration else 0
 
-        stop = asyncio.Event()
         progress(f"soak: {opts.minutes:g} minutes, up to {opts.workers} workers, sampling every {opts.sample_interval:g} s")
-        await take_sample(traffic, data["samples"], t0, level_of)  # the start: after the preflight, before the traffic
-        sampling = asyncio.create_task(sampler(traffic, data["samples"], t0, stop, opts.sample_interval, level_of))
-        tally.t0 = t0
         data["kills"] = []
-        killing = asyncio.create_task(killer(parse_kills(opts.kill or ""), duration, t0, data["kills"]))
-        await traffic.run(duration, t0)
-        await killing
-        data["traffic_s"] = time.perf_counter() - t0
-        stop.set()
-        await sampling
-        await asyncio.sleep(min(5.0, opts.sample_interval))
-        await take_sample(traffic, data["samples"], t0, level_of)  # after the traffic: what is left
+        data["traffic_s"] = await sampled_run(traffic, data["samples"], partial(traffic.run, duration), duration=duration,
+                                              interval=opts.sample_interval, level_of=level_of, kills=parse_kills(opts.kill or ""),
+                                              kill_events=data["kills"])
         data["client"] = tally.summary()
 
 
@@ -459,16 +429,7 @@ def main(argv: list[str] | None = None) -> None:
     data["total_s"] = time.perf_counter() - run_start
     write_results(opts.out, data, partial(render_report, profile=PROFILE))
     plot_file(opts.out.with_suffix(".json"))
-    a = analyse(data)
-    for label, r in sorted(a["memory"].items()):
-        if r["gated"]:
-            detail = (f" (baseline {r['baseline_mib']:.0f} MiB, end {r['end_mib']:.0f} MiB, {r['growth_pct']:+.1f} %, "
-                      f"max {r['max_pct']:+.1f} %)") if "baseline_mib" in r else ""
-            print(f"memory {label}: {r['verdict']}{detail}")
-    for k, v in a["verdicts"].items():
-        print(f"{'PASS' if v else 'FAIL'}: {k}")
-    print("SOAK " + ("PASS" if a["pass"] else "FAIL"))
-
+    print_verdicts(data)
 
 if __name__ == "__main__":
     main()

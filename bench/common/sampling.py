@@ -9,9 +9,10 @@ import asyncio
 import itertools
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from bench.common.checked_http import CheckedClient
+from bench.common.kills import killer
 from bench.common.load import progress
 from bench.common.procs import cmd_name, sample_processes
 from bench.common.stats import slope_per_min
@@ -86,6 +87,27 @@ async def sampler(client: CheckedClient, samples: list[dict[str, Any]], t0: floa
             return
         except TimeoutError:
             await take_sample(client, samples, t0, level_of)
+
+
+async def sampled_run(client: CheckedClient, samples: list[dict[str, Any]], traffic: Callable[[float], Awaitable[None]], *,
+                      duration: float, interval: float, level_of: Callable[[float], int], kills: list[tuple[float, str]],
+                      kill_events: list[dict[str, Any]]) -> float:
+    """``traffic(t0)`` with a sample before it, one every ``interval`` seconds while it runs, one a moment
+    after; replicas killed on the ``kills`` schedule into ``kill_events``. Returns the traffic's seconds."""
+    t0 = time.perf_counter()
+    stop = asyncio.Event()
+    await take_sample(client, samples, t0, level_of)  # the start, before the traffic
+    sampling = asyncio.create_task(sampler(client, samples, t0, stop, interval, level_of))
+    client.t.t0 = t0
+    killing = asyncio.create_task(killer(kills, duration, t0, kill_events))
+    await traffic(t0)
+    await killing
+    traffic_s = time.perf_counter() - t0
+    stop.set()
+    await sampling
+    await asyncio.sleep(min(5.0, interval))
+    await take_sample(client, samples, t0, level_of)  # after the traffic: what is left
+    return traffic_s
 
 
 def memory_rows(samples: list[dict[str, Any]], warm: float, tol: float) -> dict[str, dict[str, Any]]:

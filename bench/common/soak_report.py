@@ -159,3 +159,15 @@ def plot_file(results_json: Path) -> None:
     except ImportError as exc:
         print(f"no plot ({exc}): pip install -e '.[bench]'")
 
+
+def print_verdicts(data: dict[str, Any]) -> None:
+    """The verdicts on stdout, memory per gated process first."""
+    a = analyse(data)
+    for label, r in sorted(a["memory"].items()):
+        if r["gated"]:
+            detail = (f" (baseline {r['baseline_mib']:.0f} MiB, end {r['end_mib']:.0f} MiB, {r['growth_pct']:+.1f} %, "
+                      f"max {r['max_pct']:+.1f} %)") if "baseline_mib" in r else ""
+            print(f"memory {label}: {r['verdict']}{detail}")
+    for k, v in a["verdicts"].items():
+        print(f"{'PASS' if v else 'FAIL'}: {k}")
+    print("SOAK " + ("PASS" if a["pass"] else "FAIL"))
