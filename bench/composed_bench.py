@@ -41,6 +41,7 @@ from typing import Any
 from bench.common.cpu import proc_cpu
 from bench.common.load import progress
 from bench.common.paths import LOGS, RESULTS
+from bench.common.plots import pyplot
 from bench.common.report import fmt, machine_info, machine_line, ratio, rerender, write_results
 from bench.common.serve_cluster import make_run_env, prepare_driver, shipped_colocate, start_ours
 from bench.common.servers import SCRIPTED_PROCESSOR, VllmServe, shown
@@ -329,10 +330,7 @@ def render_report(data: dict[str, Any]) -> str:
 
 def plot(json_path: Path) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         progress("matplotlib missing: no plot")
         return

@@ -30,7 +30,7 @@ from typing import Any
 from bench.common.paths import RESULTS
 from bench.common.ray_internals import deploy_apps
 from bench.common.report import fmt, machine_info, machine_line, write_results
-from bench.common.serve_cluster import prepare_driver
+from bench.common.serve_cluster import prepare_driver, start_serve
 from bench.common.servers import free_port
 
 OUT = RESULTS / "engine_failover"
@@ -150,10 +150,8 @@ def main() -> None:
     t0 = time.monotonic()
     tok = AutoTokenizer.from_pretrained(ensure_model("qwen3-tiny"))
     port = free_port()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="engine_failover_bench",
-             logging_level="WARNING")
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING", "enable_access_log": False})
+        start_serve(port=port, namespace="engine_failover_bench")
         deploy_apps({"applications": [app_config("/")]})
         wait_engines(2)
         base = f"http://127.0.0.1:{port}"

@@ -424,10 +424,9 @@ def fmt_sessions(s: dict[str, float]) -> str:
 
 
 def plot(data: dict[str, Any]) -> None:
-    import matplotlib
+    from bench.common.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     v = data["vllm"]["cpu_per_chunk_s"]

@@ -33,7 +33,7 @@ from typing import Any
 
 from bench.common.paths import RESULTS
 from bench.common.report import fmt, machine_info, machine_line, write_results
-from bench.common.serve_cluster import prepare_driver
+from bench.common.serve_cluster import prepare_driver, start_serve
 from bench.common.servers import free_port
 
 OUT = RESULTS / "parser_fallback"
@@ -256,10 +256,8 @@ def main() -> None:
     t0 = time.monotonic()
     tok = AutoTokenizer.from_pretrained(ensure_model("qwen3-tiny"))
     port = free_port()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="parser_fallback_bench",
-             logging_level="WARNING")
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING", "enable_access_log": False})
+        start_serve(port=port, namespace="parser_fallback_bench")
         configs = {name: _config(name, tok, opts, port) for name in opts.configs.split(",")}
         serve.shutdown()
     finally:

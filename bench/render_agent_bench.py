@@ -39,6 +39,7 @@ from typing import Any
 from bench.agent_workload import conversation
 from bench.common.load import Recorder, client_session, progress, run_sessions
 from bench.common.paths import LOGS, RESULTS
+from bench.common.plots import pyplot
 from bench.common.report import fmt, machine_info, machine_line, ratio, rerender, write_results
 from bench.common.serve_cluster import (
     make_run_env,
@@ -299,10 +300,7 @@ def render_report(data: dict[str, Any]) -> str:
 
 def plot(data: dict[str, Any], out: Path) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         progress("matplotlib missing: no plot")
         return
