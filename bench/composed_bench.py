@@ -42,7 +42,7 @@ from bench.common.cpu import proc_cpu
 from bench.common.load import progress
 from bench.common.paths import LOGS, RESULTS
 from bench.common.plots import pyplot
-from bench.common.report import fmt, machine_info, machine_line, ratio, rerender, write_results
+from bench.common.report import cli, fmt, machine_info, machine_line, options_json, ratio, rerender, write_results
 from bench.common.serve_cluster import make_run_env, prepare_driver, shipped_colocate, start_ours
 from bench.common.servers import SCRIPTED_PROCESSOR, VllmServe, shown
 
@@ -357,8 +357,7 @@ def plot(json_path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.composed_bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli("bench.composed_bench", __doc__)
     ap.add_argument("--concurrency", default="1,16,64", help="comma-separated (default: %(default)s)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--workload", choices=("random", "tools"), default="random",
@@ -394,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     from serve_app.models import ensure_model
 
     model_dir = str(ensure_model(MODEL))
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()}
+    options = options_json(opts)
     data: dict[str, Any] = {"machine": machine_info(), "options": options, "setup": {}, "cases": []}
     setup = data["setup"]
     vllm = CoupledServe(model_dir, "composed-vllm-serve.log", kv_cache_bytes=KV_BYTES, max_num_seqs=MAX_NUM_SEQS, scale_out=False)

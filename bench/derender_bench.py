@@ -46,7 +46,7 @@ from bench.common.cpu import cpu_by_role, idle_cpu_util, proc_cpu
 from bench.common.load import client_session
 from bench.common.paths import LOGS, RESULTS
 from bench.common.ray_internals import direct_ingress_ports, serve_flags
-from bench.common.report import fmt, machine_info, machine_line, rerender, write_results
+from bench.common.report import cli, fmt, machine_info, machine_line, options_json, rerender, write_results
 from bench.common.serve_cluster import (
     APP_NAME,
     COLOCATE,
@@ -543,8 +543,7 @@ def render_report(data: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.derender_bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli("bench.derender_bench", __doc__)
     ap.add_argument("--model", default=MODEL_NAME, help="builtin model (default: %(default)s)")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated, from {', '.join(CONFIGS)} (default: all)")
     ap.add_argument("--tokens", type=int, default=1000, help="output length of the streams (default: %(default)s)")
@@ -578,7 +577,7 @@ def main(argv: list[str] | None = None) -> None:
     wfile = LOGS / f"derender-{opts.model}-workload.json"
     wfile.write_text(json.dumps(w))
     data: dict[str, Any] = {"machine": machine_info(),
-                            "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items() if k != "worker"},
+                            "options": options_json(opts, "worker"),
                             "workload": {"prompt_len": len(w["prompt"]), "ids_digest": _digest(w["ids"])}, "configs": []}
     files = {"workload": str(wfile)}
     v = vllm_server(opts.model)

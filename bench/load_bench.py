@@ -55,7 +55,7 @@ import orjson
 from bench.common.load import Recorder, Session, client_session, progress, run_sessions, sse_events
 from bench.common.load_report import KV_BYTES, LATENCY, SYSTEMS, UNIT, WORKLOADS, plots, render_report
 from bench.common.paths import LOGS, RESULTS
-from bench.common.report import fmt, machine_info, rerender, write_results
+from bench.common.report import cli, fmt, machine_info, options_json, rerender, write_results
 from bench.common.serve_cluster import (
     make_run_env,
     prepare_driver,
@@ -441,8 +441,7 @@ def launch_ours(opts: argparse.Namespace, setup: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.load_bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli("bench.load_bench", __doc__)
     ap.add_argument("--concurrency", default="1,4,8,16,32", help="comma-separated concurrencies (default: %(default)s)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, from %(default)s")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from %(default)s (one alone: no ratios, no parity)")
@@ -484,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     run_start = time.perf_counter()
     LOGS.mkdir(parents=True, exist_ok=True)
     wl = build_workload(opts)
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()}
+    options = options_json(opts)
     data: dict[str, Any] = {"machine": machine_info(), "options": options,
                             "workload": {"prompt_tokens": [len(wl["prompts"][0]), len(wl["prompts"][-1])],
                                          "parser_output_tokens": len(wl["parser_output"]), "plain_output_tokens": len(wl["plain_output"]),

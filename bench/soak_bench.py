@@ -59,7 +59,7 @@ from bench.common.checked_http import CheckedClient, Tally
 from bench.common.kills import parse_kills
 from bench.common.load import progress
 from bench.common.paths import LOGS, RESULTS
-from bench.common.report import machine_info, rerender, write_results
+from bench.common.report import cli, machine_info, options_json, rerender, write_results
 from bench.common.sampling import haproxy_pids, sampled_run, stop_leftovers
 from bench.common.serve_cluster import make_run_env, prepare_driver, replica_counts, shipped_app_args, start_ours
 from bench.common.soak_report import plot_file, print_verdicts, render_report
@@ -370,8 +370,7 @@ async def soak(base: str, wl: dict[str, Any], opts: argparse.Namespace, data: di
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.soak_bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli("bench.soak_bench", __doc__)
     ap.add_argument("--minutes", type=float, default=10.0, help="traffic time (default: %(default)s)")
     ap.add_argument("--workers", type=int, default=8, help="client workers at the peaks (default: %(default)s)")
     ap.add_argument("--sample-interval", type=float, help="seconds between samples (default: 10, or a twelfth of a shorter run)")
@@ -404,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     run_start = time.perf_counter()
     LOGS.mkdir(parents=True, exist_ok=True)
     args, changed = app_args_from_yaml(opts)
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()}
+    options = options_json(opts)
     options["plot_name"] = opts.out.name + "_rss.png"
     shown_argv = " ".join(argv if argv is not None else sys.argv[1:])
     command = f"flock /tmp/serve_app_heavy.lock .venv/bin/python -m bench.soak_bench {shown_argv}".strip()
