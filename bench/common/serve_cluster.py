@@ -8,13 +8,14 @@ and ``ray.init``: :func:`run_worker_process` on the parent's side, :func:`run_wo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Coroutine, NoReturn
+from typing import Any, Callable, Coroutine, Iterator, NoReturn
 
 from bench.common.paths import REPO
 from bench.common.ray_internals import haproxy_replicas_up
@@ -91,6 +92,23 @@ def start_serve(*, port: int, namespace: str) -> float:
     ray_init_s = time.monotonic() - t0
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=_QUIET)
     return ray_init_s
+
+
+@contextlib.contextmanager
+def local_serve(namespace: str) -> Iterator[int]:
+    """:func:`start_serve` on a free port (yielded); Serve shut down after the block, Ray in any case."""
+    import ray
+    from ray import serve
+
+    from bench.common.servers import free_port
+
+    port = free_port()
+    try:
+        start_serve(port=port, namespace=namespace)
+        yield port
+        serve.shutdown()
+    finally:
+        ray.shutdown()
 
 
 def start_app(make_app: Callable[[], Any], *, port: int, namespace: str) -> tuple[float, float]:
