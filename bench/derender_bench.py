@@ -59,7 +59,7 @@ from bench.common.serve_cluster import (
 )
 from bench.common.servers import VllmRender, free_port, shown, wait_http
 from bench.common.stats import latency_stats
-from bench.common.workloads import MULTILINGUAL_TEXT
+from bench.common.workloads import text_output, tokenizer
 
 MODEL_NAME = "qwen3-tiny"
 CHAT_PATH, COMPLETION_PATH = "/v1/chat/completions/derender", "/v1/completions/derender"
@@ -73,7 +73,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_CONFIGS = ",".join(CONFIGS)
 
-TEXT = MULTILINGUAL_TEXT  # English with some CJK and emoji
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,17 +82,7 @@ TEXT = MULTILINGUAL_TEXT  # English with some CJK and emoji
 
 def workload(model: str, max_tokens: int) -> dict[str, Any]:
     """Output ids (realistic text, at least ``max_tokens`` of them) and a rendered chat prompt's ids."""
-    from transformers import AutoTokenizer
-
-    from serve_app.config import AppArgs
-
-    resolved = AppArgs(model=model).resolve()
-    tok = AutoTokenizer.from_pretrained(resolved.tokenizer_dir)
-    ids: list[int] = []
-    para = 0
-    while len(ids) < max_tokens:
-        ids += tok.encode(("\n\n" if para else "") + TEXT, add_special_tokens=False)
-        para += 1
+    tok = tokenizer(model)
     messages = [{"role": "user", "content": "Write a long essay about the history of printing, with some Chinese and emoji."}]
     try:
         prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -101,7 +90,7 @@ def workload(model: str, max_tokens: int) -> dict[str, Any]:
             prompt = prompt["input_ids"]
     except Exception:  # noqa: BLE001 - a model without a chat template
         prompt = tok.encode(messages[0]["content"])
-    return {"ids": ids[:max_tokens], "prompt": list(prompt), "chat_request": {"model": model, "messages": messages}}
+    return {"ids": text_output(tok, max_tokens), "prompt": list(prompt), "chat_request": {"model": model, "messages": messages}}
 
 
 def stream_bodies(w: dict[str, Any], n: int, model: str) -> list[dict[str, Any]]:
