@@ -23,10 +23,10 @@
 * :mod:`bench.common.checked_http` - a client that checks and counts every request of a long mixed run
   (deadline = hang, 200 or a 4xx in the error envelope), into a ``Tally``.
 * :mod:`bench.common.sampling` - sampling RSS, ``/metrics`` and the client's counts around a run's traffic,
-  judging memory flatness and the parser-session cache; :mod:`bench.common.sampling_report` - their
-  report sections and plot panels.
+  judging memory flatness and the parser-session cache.
 * :mod:`bench.common.kills` - replicas SIGKILLed on a schedule, the failures each kill is blamed for.
-* :mod:`bench.common.soak_report` - the soak's verdicts, report and plot from its JSON.
+* :mod:`bench.common.soak_report` - the soak's verdicts, report and plot from its JSON (memory, cache and
+  request sections, plot panels).
 * :mod:`bench.common.load_report` - ``load.json``'s report, and the plots from ``load.json`` and
   ``parser.json`` (``bench/plots.py`` is their CLI).
 
