@@ -46,7 +46,7 @@ from bench.common.cpu import cpu_by_role, idle_cpu_util, proc_cpu
 from bench.common.load import client_session
 from bench.common.paths import LOGS, RESULTS
 from bench.common.ray_internals import direct_ingress_ports, serve_flags
-from bench.common.report import cli, fmt, machine_info, machine_line, options_json, rerender, write_results
+from bench.common.report import cli, fmt, machine_info, machine_line, options_json, ratio, rerender, write_results
 from bench.common.serve_cluster import (
     APP_NAME,
     COLOCATE,
@@ -405,13 +405,6 @@ def run_config(name: str, opts: argparse.Namespace, files: dict[str, str]) -> di
 # --------------------------------------------------------------------------------------------
 
 
-def _r(a: Any, b: Any) -> str:
-    try:
-        return f"{a / b:.2f}×"
-    except (TypeError, ZeroDivisionError):
-        return "–"
-
-
 def _rows(data: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
     """(system label, path, measurement dict) for every measured access path."""
     rows: list[tuple[str, str, dict[str, Any]]] = []
@@ -470,7 +463,7 @@ def render_report(data: dict[str, Any]) -> str:
         cpu = s.get("cpu_ms_per_chunk_by_role", {})
         server = sum(v for k, v in cpu.items() if k not in ("client", "other"))
         cpu_txt = "–" if "in-process" in label else f"{server:.2f}"
-        lines.append(f"| {label} | {path} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {_r(s['p50_ms'], base.get('stream_p50'))} "
+        lines.append(f"| {label} | {path} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {ratio(s['p50_ms'], base.get('stream_p50'))} "
                      f"| {s['first100']['p50_ms']:.3f} | {s['last100']['p50_ms']:.3f} | {s['stream_s']:.2f} | {cpu_txt} |")
     lens = [str(x) for x in o["lengths"]]
     lines += ["", "## Non-streaming derender, p50 ms by output length (ratio to vLLM)", "",
@@ -479,9 +472,9 @@ def render_report(data: dict[str, Any]) -> str:
     for label, path, meas in _rows(data):
         if not meas.get("chat"):
             continue
-        cells = [f"{meas['chat'][x]['p50_ms']:.2f} ({_r(meas['chat'][x]['p50_ms'], base.get('chat' + x))})" for x in lens]
+        cells = [f"{meas['chat'][x]['p50_ms']:.2f} ({ratio(meas['chat'][x]['p50_ms'], base.get('chat' + x))})" for x in lens]
         comp = meas.get("completion", {}).get(n)
-        cells.append(f"{comp['p50_ms']:.2f} ({_r(comp['p50_ms'], base.get('completion'))})" if comp else "–")
+        cells.append(f"{comp['p50_ms']:.2f} ({ratio(comp['p50_ms'], base.get('completion'))})" if comp else "–")
         lines.append(f"| {label} | {path} | " + " | ".join(cells) + " |")
 
     # CPU by role per chunk
