@@ -19,14 +19,13 @@ against time, phases shaded.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.common.paths import LOGS, RESULTS
-from bench.common.report import fmt, machine_info, machine_line, rerender, write_results
+from bench.common.report import cli, fmt, machine_info, machine_line, rerender, write_results
 
 PHASE_COLORS = {"reference": "#eeeeee", "ramp": "#fff2cc", "peak": "#f8cbad", "trickle": "#ddebf7", "idle": "#e2f0d9"}
 NODE_COLORS = {"head": "#7f7f7f", "cpu_tier": "#1f77b4", "engine_node": "#d62728"}
@@ -186,8 +185,7 @@ def plot(data: dict[str, Any], out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.cluster_bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli("bench.cluster_bench", __doc__)
     ap.add_argument("--out", type=Path, default=RESULTS / "cluster")
     ap.add_argument("--profile", default="bench")
     ap.add_argument("--timeout", type=float, default=1500, help="the scenario's time limit, seconds (default: %(default)s)")

@@ -41,9 +41,10 @@ from typing import Any
 from bench.common.cpu import proc_cpu
 from bench.common.load import progress
 from bench.common.paths import LOGS, RESULTS
-from bench.common.report import fmt, machine_info, machine_line, ratio, rerender, write_results
-from bench.common.serve_cluster import make_run_env, prepare_driver, replica_counts, shipped_colocate, start_app, wait_haproxy_up
-from bench.common.servers import SCRIPTED_PROCESSOR, VllmServe, free_port, shown, wait_http
+from bench.common.plots import pyplot
+from bench.common.report import cli, fmt, machine_info, machine_line, options_json, ratio, rerender, write_results
+from bench.common.serve_cluster import make_run_env, prepare_driver, shipped_colocate, start_ours
+from bench.common.servers import SCRIPTED_PROCESSOR, VllmServe, shown
 
 MODEL = "qwen3-tiny"
 KV_BYTES = 1 << 30  # serve_config.yaml
@@ -212,19 +213,9 @@ async def run_all(bases: dict[str, str], model_dir: str, opts: argparse.Namespac
             data["cases"].append(await run_case(system, bases[system], model_dir, c, prompts_for(c, opts), opts, groups, data, run_start))
 
 
-def start_ours(setup: dict[str, Any]) -> str:
-    from serve_app.app import build_app
-    from serve_app.config import AppArgs
-
-    port = free_port()
-    args = AppArgs(**ours_app_args())
-    t0 = time.monotonic()
-    start_app(lambda: build_app(args), port=port, namespace="composed_bench")
-    base = f"http://127.0.0.1:{port}"
-    asyncio.run(wait_http(base + "/ready", 300, ok_in_a_row=2))
-    setup["ours_haproxy_replicas_up"] = asyncio.run(wait_haproxy_up(INGRESS_REPLICAS))
-    setup["ours_startup_s"] = time.monotonic() - t0
-    setup["ours_deployments"] = replica_counts()
+def launch_ours(setup: dict[str, Any]) -> str:
+    base, up = start_ours(ours_app_args(), namespace="composed_bench", ingress=INGRESS_REPLICAS, ready_timeout=300)
+    setup.update(ours_haproxy_replicas_up=up["haproxy_replicas_up"], ours_startup_s=up["startup_s"], ours_deployments=up["deployments"])
     return base
 
 
@@ -339,10 +330,7 @@ def render_report(data: dict[str, Any]) -> str:
 
 def plot(json_path: Path) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         progress("matplotlib missing: no plot")
         return
@@ -369,8 +357,7 @@ def plot(json_path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.composed_bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli("bench.composed_bench", __doc__)
     ap.add_argument("--concurrency", default="1,16,64", help="comma-separated (default: %(default)s)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--workload", choices=("random", "tools"), default="random",
@@ -406,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     from serve_app.models import ensure_model
 
     model_dir = str(ensure_model(MODEL))
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()}
+    options = options_json(opts)
     data: dict[str, Any] = {"machine": machine_info(), "options": options, "setup": {}, "cases": []}
     setup = data["setup"]
     vllm = CoupledServe(model_dir, "composed-vllm-serve.log", kv_cache_bytes=KV_BYTES, max_num_seqs=MAX_NUM_SEQS, scale_out=False)
@@ -423,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
         if "ours" in systems:
             progress("starting ours (Ray Serve, as make run)")
             ray_started = True
-            bases["ours"] = start_ours(setup)
+            bases["ours"] = launch_ours(setup)
             setup["ours_app_args"], setup["ours_env"] = ours_app_args(), make_run_env()
             progress(f"  ours up in {setup['ours_startup_s']:.0f} s: {setup['ours_deployments']}")
         if "vllm" in systems:

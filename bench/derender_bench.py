@@ -46,7 +46,7 @@ from bench.common.cpu import cpu_by_role, idle_cpu_util, proc_cpu
 from bench.common.load import client_session
 from bench.common.paths import LOGS, RESULTS
 from bench.common.ray_internals import direct_ingress_ports, serve_flags
-from bench.common.report import fmt, machine_info, machine_line, rerender, write_results
+from bench.common.report import cli, fmt, machine_info, machine_line, options_json, ratio, rerender, write_results
 from bench.common.serve_cluster import (
     APP_NAME,
     COLOCATE,
@@ -59,7 +59,7 @@ from bench.common.serve_cluster import (
 )
 from bench.common.servers import VllmRender, free_port, shown, wait_http
 from bench.common.stats import latency_stats
-from bench.common.workloads import MULTILINGUAL_TEXT
+from bench.common.workloads import text_output, tokenizer
 
 MODEL_NAME = "qwen3-tiny"
 CHAT_PATH, COMPLETION_PATH = "/v1/chat/completions/derender", "/v1/completions/derender"
@@ -73,7 +73,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_CONFIGS = ",".join(CONFIGS)
 
-TEXT = MULTILINGUAL_TEXT  # English with some CJK and emoji
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,17 +82,7 @@ TEXT = MULTILINGUAL_TEXT  # English with some CJK and emoji
 
 def workload(model: str, max_tokens: int) -> dict[str, Any]:
     """Output ids (realistic text, at least ``max_tokens`` of them) and a rendered chat prompt's ids."""
-    from transformers import AutoTokenizer
-
-    from serve_app.config import AppArgs
-
-    resolved = AppArgs(model=model).resolve()
-    tok = AutoTokenizer.from_pretrained(resolved.tokenizer_dir)
-    ids: list[int] = []
-    para = 0
-    while len(ids) < max_tokens:
-        ids += tok.encode(("\n\n" if para else "") + TEXT, add_special_tokens=False)
-        para += 1
+    tok = tokenizer(model)
     messages = [{"role": "user", "content": "Write a long essay about the history of printing, with some Chinese and emoji."}]
     try:
         prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -101,7 +90,7 @@ def workload(model: str, max_tokens: int) -> dict[str, Any]:
             prompt = prompt["input_ids"]
     except Exception:  # noqa: BLE001 - a model without a chat template
         prompt = tok.encode(messages[0]["content"])
-    return {"ids": ids[:max_tokens], "prompt": list(prompt), "chat_request": {"model": model, "messages": messages}}
+    return {"ids": text_output(tok, max_tokens), "prompt": list(prompt), "chat_request": {"model": model, "messages": messages}}
 
 
 def stream_bodies(w: dict[str, Any], n: int, model: str) -> list[dict[str, Any]]:
@@ -416,13 +405,6 @@ def run_config(name: str, opts: argparse.Namespace, files: dict[str, str]) -> di
 # --------------------------------------------------------------------------------------------
 
 
-def _r(a: Any, b: Any) -> str:
-    try:
-        return f"{a / b:.2f}×"
-    except (TypeError, ZeroDivisionError):
-        return "–"
-
-
 def _rows(data: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
     """(system label, path, measurement dict) for every measured access path."""
     rows: list[tuple[str, str, dict[str, Any]]] = []
@@ -481,7 +463,7 @@ def render_report(data: dict[str, Any]) -> str:
         cpu = s.get("cpu_ms_per_chunk_by_role", {})
         server = sum(v for k, v in cpu.items() if k not in ("client", "other"))
         cpu_txt = "–" if "in-process" in label else f"{server:.2f}"
-        lines.append(f"| {label} | {path} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {_r(s['p50_ms'], base.get('stream_p50'))} "
+        lines.append(f"| {label} | {path} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {ratio(s['p50_ms'], base.get('stream_p50'))} "
                      f"| {s['first100']['p50_ms']:.3f} | {s['last100']['p50_ms']:.3f} | {s['stream_s']:.2f} | {cpu_txt} |")
     lens = [str(x) for x in o["lengths"]]
     lines += ["", "## Non-streaming derender, p50 ms by output length (ratio to vLLM)", "",
@@ -490,9 +472,9 @@ def render_report(data: dict[str, Any]) -> str:
     for label, path, meas in _rows(data):
         if not meas.get("chat"):
             continue
-        cells = [f"{meas['chat'][x]['p50_ms']:.2f} ({_r(meas['chat'][x]['p50_ms'], base.get('chat' + x))})" for x in lens]
+        cells = [f"{meas['chat'][x]['p50_ms']:.2f} ({ratio(meas['chat'][x]['p50_ms'], base.get('chat' + x))})" for x in lens]
         comp = meas.get("completion", {}).get(n)
-        cells.append(f"{comp['p50_ms']:.2f} ({_r(comp['p50_ms'], base.get('completion'))})" if comp else "–")
+        cells.append(f"{comp['p50_ms']:.2f} ({ratio(comp['p50_ms'], base.get('completion'))})" if comp else "–")
         lines.append(f"| {label} | {path} | " + " | ".join(cells) + " |")
 
     # CPU by role per chunk
@@ -543,8 +525,7 @@ def render_report(data: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.derender_bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli("bench.derender_bench", __doc__)
     ap.add_argument("--model", default=MODEL_NAME, help="builtin model (default: %(default)s)")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated, from {', '.join(CONFIGS)} (default: all)")
     ap.add_argument("--tokens", type=int, default=1000, help="output length of the streams (default: %(default)s)")
@@ -578,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
     wfile = LOGS / f"derender-{opts.model}-workload.json"
     wfile.write_text(json.dumps(w))
     data: dict[str, Any] = {"machine": machine_info(),
-                            "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items() if k != "worker"},
+                            "options": options_json(opts, "worker"),
                             "workload": {"prompt_len": len(w["prompt"]), "ids_digest": _digest(w["ids"])}, "configs": []}
     files = {"workload": str(wfile)}
     v = vllm_server(opts.model)

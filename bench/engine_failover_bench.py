@@ -30,8 +30,7 @@ from typing import Any
 from bench.common.paths import RESULTS
 from bench.common.ray_internals import deploy_apps
 from bench.common.report import fmt, machine_info, machine_line, write_results
-from bench.common.serve_cluster import prepare_driver
-from bench.common.servers import free_port
+from bench.common.serve_cluster import local_serve, prepare_driver
 
 OUT = RESULTS / "engine_failover"
 
@@ -140,8 +139,6 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=4, help="answer length, ~16 tokens a sentence")
     opts = parser.parse_args()
     prepare_driver()
-    import ray
-    from ray import serve
     from transformers import AutoTokenizer
 
     from serve_app.models import ensure_model
@@ -149,18 +146,11 @@ def main() -> None:
 
     t0 = time.monotonic()
     tok = AutoTokenizer.from_pretrained(ensure_model("qwen3-tiny"))
-    port = free_port()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="engine_failover_bench",
-             logging_level="WARNING")
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING", "enable_access_log": False})
+    with local_serve("engine_failover_bench") as port:
         deploy_apps({"applications": [app_config("/")]})
         wait_engines(2)
         base = f"http://127.0.0.1:{port}"
         results = [_round(base, tok, opts.per_kind, opts.sentences) for _ in range(opts.rounds)]
-        serve.shutdown()
-    finally:
-        ray.shutdown()
     data = {"machine": machine_info(), "rounds": opts.rounds, "per_kind": opts.per_kind, "sentences": opts.sentences,
             "answer_tokens": len(tok.encode(SENTENCE * opts.sentences)) + 1, "results": results, "total_s": time.monotonic() - t0}
     write_results(OUT, data, render)

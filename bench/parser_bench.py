@@ -43,30 +43,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-# make run's Serve flags, before anything imports Ray (its constants are read at import).
-os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
-os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
-os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from bench.common.parser_stream import PARSER_APP, set_parser_env
+
+set_parser_env()  # make run's Serve flags, before anything imports Ray (its constants are read at import)
 
 import httpx  # noqa: E402
 import orjson  # noqa: E402
 
 from bench.common.cpu import cpu_by_role, proc_cpu  # noqa: E402
+from bench.common.parser_stream import chunk_body as _chunk_body  # noqa: E402
+from bench.common.parser_stream import parser_workload as workload  # noqa: E402
 from bench.common.paths import LOGS, REPO, RESULTS  # noqa: E402
 from bench.common.report import machine_info  # noqa: E402
+from bench.common.serve_cluster import session_outcomes as parse_outcomes  # noqa: E402
 from bench.common.servers import free_port, kill_group, vllm_render_argv, wait_http_blocking  # noqa: E402
-from bench.common.workloads import CHAT_REQUEST, chat_prompt, joined, tokenizer, tool_reasoning_output  # noqa: E402
+from bench.common.workloads import CHAT_REQUEST, joined  # noqa: E402
 
-MAX_MODEL_LEN = 16384
-APP: dict[str, Any] = dict(
-    model="qwen3-tiny",
-    tool_call_parser="hermes",
-    reasoning_parser="qwen3",
-    enable_auto_tool_choice=True,
-    max_model_len=MAX_MODEL_LEN,
-)
+APP: dict[str, Any] = PARSER_APP
 POSITIONS = [0, 250, 500, 1000, 2000, 3000, 4000]
 WINDOW = 250  # chunks per CPU-by-position window
 CONCURRENT = 8
@@ -77,30 +70,8 @@ def log(msg: str) -> None:
     print(f"[parser_bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def workload(tokens: int) -> tuple[list[int], list[int]]:
-    """(prompt ids, output ids): ``tokens`` output ids of reasoning, answer and two tool calls, then EOS."""
-    tok = tokenizer(str(APP["model"]))
-    return chat_prompt(tok, CHAT_REQUEST), tool_reasoning_output(tok, tokens)
-
-
 def chunk_body(i: int, output: list[int], state: Any, prompt: list[int], request_id: str) -> bytes:
-    # orjson on the client, for vLLM and us alike: a stdlib-json client would spend ~1 ms per chunk on
-    # the carried state late in a long stream.
-    last = i == len(output) - 1
-    return orjson.dumps(
-        {
-            "stream": True,
-            "model": "qwen3-tiny",
-            "generate_chunk": {
-                "request_id": request_id,
-                "choices": [{"index": 0, "token_ids": [output[i]], "finish_reason": "stop" if last else None}],
-            },
-            "stream_state": state,
-            "prompt_tokens": len(prompt),
-            "prompt_token_ids": prompt,
-            "chat_request": CHAT_REQUEST,
-        }
-    )
+    return _chunk_body(i, output, state, prompt, request_id, prompt_tokens=True)
 
 
 def positioned_body(pos: int, output: list[int], prompt: list[int]) -> bytes:
@@ -205,14 +176,7 @@ def run_vllm(w1000: tuple[list[int], list[int]], w4000: tuple[list[int], list[in
 
 
 def session_outcomes(base: str) -> dict[str, float]:
-    prefix = "serve_app_parser_session_chunks_total{"
-    out: dict[str, float] = {}
-    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(prefix):
-            labels, value = line[len(prefix) :].rsplit("} ", 1)
-            outcome = next(p.split("=")[1].strip('"') for p in labels.split(",") if p.startswith("outcome="))
-            out[outcome] = out.get(outcome, 0.0) + float(value)
-    return out
+    return parse_outcomes(httpx.get(base + "/metrics", timeout=30).text)
 
 
 def run_ours(w1000: tuple[list[int], list[int]], w4000: tuple[list[int], list[int]]) -> dict[str, Any]:
@@ -460,10 +424,9 @@ def fmt_sessions(s: dict[str, float]) -> str:
 
 
 def plot(data: dict[str, Any]) -> None:
-    import matplotlib
+    from bench.common.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     v = data["vllm"]["cpu_per_chunk_s"]

@@ -32,9 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from bench.common.paths import RESULTS
+from bench.common.ray_internals import gcs_actors
 from bench.common.report import fmt, machine_info, machine_line, write_results
-from bench.common.serve_cluster import prepare_driver
-from bench.common.servers import free_port
+from bench.common.serve_cluster import local_serve, prepare_driver
 
 OUT = RESULTS / "parser_fallback"
 APP = "parser_fallback_bench"
@@ -67,10 +67,8 @@ def _output(tok: Any, tokens: int) -> list[int]:
 
 def _parser_pids() -> dict[str, int]:
     """Live ParserDerender replica id -> pid (the GCS actor table; the test cluster runs no dashboard)."""
-    import ray
-
     prefix = f"SERVE_REPLICA::{APP}#ParserDerender#"
-    actors = ray._private.state.actors().values()
+    actors = gcs_actors().values()
     return {a["Name"][len(prefix) :]: a["Pid"] for a in actors if a["State"] == "ALIVE" and a["Name"].startswith(prefix)}
 
 
@@ -247,23 +245,14 @@ def main() -> None:
     parser.add_argument("--configs", default="colocated,remote")
     opts = parser.parse_args()
     prepare_driver()
-    import ray
-    from ray import serve
     from transformers import AutoTokenizer
 
     from serve_app.models import ensure_model
 
     t0 = time.monotonic()
     tok = AutoTokenizer.from_pretrained(ensure_model("qwen3-tiny"))
-    port = free_port()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="parser_fallback_bench",
-             logging_level="WARNING")
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING", "enable_access_log": False})
+    with local_serve("parser_fallback_bench") as port:
         configs = {name: _config(name, tok, opts, port) for name in opts.configs.split(",")}
-        serve.shutdown()
-    finally:
-        ray.shutdown()
     data = {"machine": machine_info(), "streams": opts.streams, "tokens": next(iter(configs.values()))["tokens"],
             "configs": configs, "total_s": time.monotonic() - t0}
     write_results(OUT, data, render)

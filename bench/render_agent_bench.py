@@ -39,7 +39,8 @@ from typing import Any
 from bench.agent_workload import conversation
 from bench.common.load import Recorder, client_session, progress, run_sessions
 from bench.common.paths import LOGS, RESULTS
-from bench.common.report import fmt, machine_info, machine_line, ratio, rerender, write_results
+from bench.common.plots import pyplot
+from bench.common.report import cli, fmt, machine_info, machine_line, options_json, ratio, rerender, write_results
 from bench.common.serve_cluster import (
     make_run_env,
     prepare_driver,
@@ -299,10 +300,7 @@ def render_report(data: dict[str, Any]) -> str:
 
 def plot(data: dict[str, Any], out: Path) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         progress("matplotlib missing: no plot")
         return
@@ -417,8 +415,7 @@ def render_profile(data: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.render_agent_bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli("bench.render_agent_bench", __doc__)
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts (default: %(default)s)")
     ap.add_argument("--duration", type=float, default=12.0, help="seconds per concurrency, at least (default: %(default)s)")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds of warm-up per system (default: %(default)s)")
@@ -450,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown systems {bad}")
     LOGS.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items() if k != "worker"}
+    options = options_json(opts, "worker")
     data: dict[str, Any] = {"machine": machine_info(), "options": options, "results": []}
     for system in systems:
         progress(f"== {system}")

@@ -42,7 +42,7 @@ from bench.common.cpu import idle_cpu_util
 from bench.common.load import client_session, http_call, measure
 from bench.common.paths import LOGS, REPO, RESULTS
 from bench.common.ray_internals import direct_ingress_ports, serve_flags
-from bench.common.report import fmt, machine_info, machine_line, ratio, rerender, write_results
+from bench.common.report import cli, fmt, machine_info, machine_line, ratio, rerender, write_results
 from bench.common.serve_cluster import (
     APP_NAME,
     COLOCATE,
@@ -564,8 +564,7 @@ def render_report(data: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.render_bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli("bench.render_bench", __doc__)
     ap.add_argument("--configs", default=DEFAULT_CONFIGS,
                     help=f"comma-separated Serve configurations to run, from: {', '.join(CONFIGS)} (default: %(default)s)")
     ap.add_argument("--payloads", default=",".join(PAYLOADS), help="comma-separated payloads (default: %(default)s)")

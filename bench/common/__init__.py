@@ -3,8 +3,9 @@
 * :mod:`bench.common.paths` - where results and server logs go.
 * :mod:`bench.common.servers` - free ports, waiting for HTTP, stopping process groups, ``vllm launch render``
   and coupled ``vllm serve``.
-* :mod:`bench.common.serve_cluster` - our app on a fresh local Ray Serve cluster, one configuration per
-  worker process (Serve reads ``RAY_SERVE_*`` at import time), waiting for HAProxy.
+* :mod:`bench.common.serve_cluster` - our app on a fresh local Ray Serve cluster (as ``make run`` or as
+  ``serve_config.yaml`` lays it out), one configuration per worker process (Serve reads ``RAY_SERVE_*`` at
+  import time), waiting for HAProxy.
 * :mod:`bench.common.ray_internals` - every use of Ray's private API (Serve flags, HAProxy and
   direct-ingress probes, deploying a config, the GCS actor table, Serve's hash ring), nowhere else.
 * :mod:`bench.common.parser_stream` - the parser derender stream of the parser benches (app args,
@@ -17,7 +18,17 @@
 * :mod:`bench.common.workloads` - the tool-and-reasoning chat and its output, the multilingual text,
   joining a stream's chunks for parity checks.
 * :mod:`bench.common.stats` - percentiles, latency summaries, a trend's slope.
-* :mod:`bench.common.report` - machine info, number formatting, writing ``bench/results/*.md`` / ``.json``.
+* :mod:`bench.common.report` - machine info, number formatting, a bench's argument parser and options,
+  writing ``bench/results/*.md`` / ``.json``.
+* :mod:`bench.common.checked_http` - a client that checks and counts every request of a long mixed run
+  (deadline = hang, 200 or a 4xx in the error envelope), into a ``Tally``.
+* :mod:`bench.common.sampling` - sampling RSS, ``/metrics`` and the client's counts around a run's traffic,
+  judging memory flatness and the parser-session cache.
+* :mod:`bench.common.kills` - replicas SIGKILLed on a schedule, the failures each kill is blamed for.
+* :mod:`bench.common.soak_report` - the soak's verdicts, report and plot from its JSON (memory, cache and
+  request sections, plot panels).
+* :mod:`bench.common.load_report` - ``load.json``'s report, and the plots from ``load.json`` and
+  ``parser.json`` (``bench/plots.py`` is their CLI).
 
 Scenarios shared with the tests (the local autoscaling cluster, engine failover, tool payloads, the
 derender stream client, reading the app's /metrics) live in :mod:`tests.harness`; no bench imports another bench.

@@ -40,13 +40,16 @@ def parser_workload(tokens: int) -> tuple[list[int], list[int]]:
     return chat_prompt(tok, CHAT_REQUEST), tool_reasoning_output(tok, tokens)
 
 
-def chunk_body(i: int, output: list[int], state: Any, prompt: list[int], request_id: str) -> bytes:
-    """The call for position ``i`` (its one token; ``finish_reason`` on the last), carrying ``state``."""
+def chunk_body(i: int, output: list[int], state: Any, prompt: list[int], request_id: str, *, prompt_tokens: bool = False) -> bytes:
+    """The call for position ``i`` (its one token; ``finish_reason`` on the last), carrying ``state``
+    (``prompt_tokens``: with the prompt's length as well, as ``parser_bench`` sends it)."""
     # orjson: at 8000 positions the carried state is ~70 KB each way, and a stdlib-json client would
     # spend ~1 ms per chunk on it (for vLLM and for us alike).
     last = i == len(output) - 1
     generate_chunk = chunk([output[i]], request_id, finish_reason="stop" if last else None)
-    return orjson.dumps(stream_body(generate_chunk, state, model="qwen3-tiny", chat_request=CHAT_REQUEST, prompt_token_ids=prompt))
+    extra = {"prompt_tokens": len(prompt)} if prompt_tokens else {}
+    return orjson.dumps(stream_body(generate_chunk, state, model="qwen3-tiny", **extra, prompt_token_ids=prompt,
+                                    chat_request=CHAT_REQUEST))
 
 
 def windows(lat: list[float]) -> list[dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -90,3 +91,15 @@ def rerender(json_path: Path, render: Callable[[dict[str, Any]], str]) -> None:
     report = _with_total(render, json.loads(json_path.read_text()))
     print(report)
     json_path.with_suffix(".md").write_text(report)
+
+
+def cli(module: str, doc: str) -> argparse.ArgumentParser:
+    """A bench's argument parser: ``python -m <module>``, the first paragraph of its docstring as the
+    description (the rest of ``--help`` as written)."""
+    return argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def options_json(opts: argparse.Namespace, *drop: str) -> dict[str, Any]:
+    """The parsed options as the results JSON keeps them (paths as strings), without ``drop``."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items() if k not in drop}

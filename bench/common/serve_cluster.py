@@ -8,13 +8,14 @@ and ``ray.init``: :func:`run_worker_process` on the parent's side, :func:`run_wo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Coroutine, NoReturn
+from typing import Any, Callable, Coroutine, Iterator, NoReturn
 
 from bench.common.paths import REPO
 from bench.common.ray_internals import haproxy_replicas_up
@@ -43,6 +44,27 @@ def shipped_colocate() -> list[str]:
 
     config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
     return list(config["applications"][0]["args"]["colocate_in_ingress"])
+
+
+_YAML_DEPLOYMENTS = {"Ingress": "ingress", "Render": "render", "PlainDerender": "plain_derender",
+                     "ParserDerender": "parser_derender", "Engine": "engine"}
+
+
+def shipped_app_args() -> dict[str, Any]:
+    """``serve_config.yaml``'s args with its per-deployment options folded into ``deployments`` (the builder
+    deep-merges them over each deployment's defaults, as Serve's override does)."""
+    import yaml
+
+    config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+    app = next(a for a in config["applications"] if a["name"] == APP_NAME)
+    args: dict[str, Any] = dict(app["args"])
+    deployments: dict[str, Any] = dict(args.get("deployments") or {})
+    for entry in app.get("deployments") or []:
+        entry = dict(entry)
+        key = _YAML_DEPLOYMENTS[entry.pop("name")]
+        deployments[key] = {**deployments.get(key, {}), **entry}
+    args["deployments"] = deployments
+    return args
 _QUIET = {"log_level": "WARNING", "enable_access_log": False}
 
 
@@ -58,19 +80,65 @@ def prepare_driver() -> None:
         pass
 
 
-def start_app(make_app: Callable[[], Any], *, port: int, namespace: str) -> tuple[float, float]:
-    """``ray.init`` a local cluster, start Serve's HTTP on 127.0.0.1:``port``, then build the app and run it
-    as ``APP_NAME`` at ``/``, logs quiet. Returns the seconds of ``ray.init`` and of the rest."""
+def start_serve(*, port: int, namespace: str) -> float:
+    """``ray.init`` a local cluster (8 logical CPUs) and start Serve's HTTP on 127.0.0.1:``port``, logs quiet.
+    Returns the seconds of ``ray.init``."""
     import ray
     from ray import serve
 
     t0 = time.monotonic()
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace=namespace,
              logging_level="WARNING")
-    t1 = time.monotonic()
+    ray_init_s = time.monotonic() - t0
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=_QUIET)
+    return ray_init_s
+
+
+@contextlib.contextmanager
+def local_serve(namespace: str) -> Iterator[int]:
+    """:func:`start_serve` on a free port (yielded); Serve shut down after the block, Ray in any case."""
+    import ray
+    from ray import serve
+
+    from bench.common.servers import free_port
+
+    port = free_port()
+    try:
+        start_serve(port=port, namespace=namespace)
+        yield port
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def start_app(make_app: Callable[[], Any], *, port: int, namespace: str) -> tuple[float, float]:
+    """:func:`start_serve`, then build the app and run it as ``APP_NAME`` at ``/``, logs quiet. Returns the
+    seconds of ``ray.init`` and of the rest."""
+    from ray import serve
+
+    t0 = time.monotonic()
+    ray_init_s = start_serve(port=port, namespace=namespace)
+    t1 = t0 + ray_init_s
     serve.run(make_app(), name=APP_NAME, route_prefix="/", logging_config=_QUIET)
-    return t1 - t0, time.monotonic() - t1
+    return ray_init_s, time.monotonic() - t1
+
+
+def start_ours(app_args: dict[str, Any], *, namespace: str, ingress: int, ready_timeout: float) -> tuple[str, dict[str, Any]]:
+    """Our app built from ``app_args`` (a dict of ``AppArgs``) by :func:`start_app` on a free port, waited for
+    (``/ready`` twice in a row, ``ingress`` replicas UP in HAProxy). Returns its base URL and
+    ``haproxy_replicas_up``, ``startup_s``, ``deployments``."""
+    from bench.common.servers import free_port, wait_http
+    from serve_app.app import build_app
+    from serve_app.config import AppArgs
+
+    args = AppArgs(**app_args)
+    port = free_port()
+    t0 = time.monotonic()
+    start_app(lambda: build_app(args), port=port, namespace=namespace)
+    base = f"http://127.0.0.1:{port}"
+    asyncio.run(wait_http(base + "/ready", ready_timeout, ok_in_a_row=2))
+    up = asyncio.run(wait_haproxy_up(ingress))
+    return base, {"haproxy_replicas_up": up, "startup_s": time.monotonic() - t0, "deployments": replica_counts()}
 
 
 def replica_counts(app_name: str = APP_NAME) -> dict[str, int] | None:

@@ -54,3 +54,45 @@ def test_write_results_then_rerender_give_the_same_markdown(tmp_path, capsys):
     out.with_suffix(".md").unlink()
     rerender(out.with_suffix(".json"), lambda d: f"# report with {len(d['rows'])} rows\n")
     assert out.with_suffix(".md").read_text() == md
+
+
+def _sample(t: float, rss_mib: dict[str, float], cache: dict[str, dict[str, float]] | None = None) -> dict:
+    return {"t": t, "rss": {k: v * 2**20 for k, v in rss_mib.items()}, "roles": {k: "replica" for k in rss_mib},
+            "metrics": {"cache": cache or {}, "stats_up": 1.0}}
+
+
+def test_memory_rows_judge_each_process_against_its_baseline_after_warm_up():
+    from bench.common.sampling import memory_rows
+
+    # "flat" stays within 10 % after the 20 s warm-up; "leaky" grows 30 %; "late" appears at 40 s and warms up on its own.
+    samples = [_sample(t, {"flat": 100 + (50 if t < 20 else t % 3), "leaky": 100 + t}) for t in range(0, 100, 10)]
+    for s in samples[4:]:
+        s["rss"]["late"], s["roles"]["late"] = 200 * 2**20, "replica"
+    rows = memory_rows(samples, warm=20, tol=0.10)
+    assert rows["flat"]["verdict"] == "PASS" and rows["flat"]["baseline_mib"] == 101
+    assert rows["leaky"]["verdict"] == "FAIL" and rows["leaky"]["growth_pct"] > 10
+    assert rows["late"]["first_seen_s"] == 40 and rows["late"]["verdict"] == "PASS"  # baseline from 60 s on
+
+
+def test_cache_rows_keep_each_replicas_peaks():
+    from bench.common.sampling import cache_rows
+
+    samples = [_sample(0, {}, {"r1": {"sessions": 3, "tokens": 90}}), _sample(10, {}, {"r1": {"sessions": 1, "tokens": 200}})]
+    rows, down = cache_rows(samples)
+    assert down == 0
+    assert rows["r1"] == {"max_sessions_seen": 3, "max_tokens_seen": 200, "samples": 2, "evictions": 0, "expirations": 0,
+                          "final_sessions": 1, "final_tokens": 200}
+
+
+def test_kills_are_parsed_and_blamed_for_the_failures_in_their_window():
+    from bench.common.kills import blame, parse_kills
+
+    assert parse_kills(" 0.5:Ingress, 0.3:ParserDerender ,") == [(0.3, "ParserDerender"), (0.5, "Ingress")]
+    kills = [{"t": 30.0, "deployment": "Ingress", "replica": "SERVE_REPLICA::serve_app#Ingress#abcdef12", "pid": 7}]
+    memory = {"Ingress#abcdef": {"gated": True, "first_seen_s": 0.0}, "Ingress#zzzzzz": {"gated": True, "first_seen_s": 45.0}}
+    failures = [(10.0, "hang: a"), (31.0, "transport error: b"), (59.0, "unexpected 502: c"), (61.0, "hang: d")]
+    rows, outside = blame(kills, failures, memory, window=30.0)
+    assert rows[0]["failures"] == 2 and rows[0]["failure_kinds"] == ["transport error", "unexpected 502"]
+    assert rows[0]["replaced"]  # a replica of the deployment first seen after the kill
+    assert outside == [(10.0, "hang: a"), (61.0, "hang: d")]
+    assert memory["Ingress#abcdef"]["gated"] is False and memory["Ingress#zzzzzz"]["gated"] is True
