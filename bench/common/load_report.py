@@ -103,6 +103,8 @@ def plot_latency(data: dict[str, Any], out: Path) -> Path:
 
 
 def plot_parser_positions(parser: dict[str, Any] | None, load: dict[str, Any] | None, out: Path) -> Path | None:
+    if parser is not None and "per_chunk_all_s" not in parser.get("ours", {}):
+        parser = None  # parser.json as bench.parser_bench writes it now: it draws its own position plot
     load_rows = [r for r in (load or {}).get("cases", []) if r["workload"] == "parser" and r.get("position_p50_ms", {}).get("chunk")]
     if parser is None and not load_rows:
         return None
