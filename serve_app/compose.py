@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from serve_app.derender.stop import engine_stop_reason
-from serve_app.errors import envelope
+from serve_app.errors import ServiceUnavailableError, envelope
 from serve_app.health import replica_gone, routable
 from serve_app.logs import get_logger
 from serve_app.streaming import cancel_on_close, peek
@@ -108,10 +108,18 @@ class Stages:
     # Whether render / the engine still has a replica a waiting call can reach (None: always).
     render_routable: Callable[[], bool] | None = None
     engine_routable: Callable[[], bool] | None = None
+    # Whether the engine has no replica to reach now, as the controller or this router sees it.
+    engine_down: Callable[[], bool] | None = None
 
 
 def build_composed(
-    args: AppArgs, model: ResolvedModel, render: Any, engine: Any, chat: ChatDerender, completion: CompletionDerender
+    args: AppArgs,
+    model: ResolvedModel,
+    render: Any,
+    engine: Any,
+    chat: ChatDerender,
+    completion: CompletionDerender,
+    engine_down: Callable[[], bool] | None = None,
 ) -> ComposedService:
     """The composition for one Ingress replica: render and the engine by handle (or a colocated
     render's :class:`serve_app.stages.InProcess`), derender by the in-process services ``chat`` and
@@ -124,6 +132,7 @@ def build_composed(
         generate_stream=lambda body: cancel_on_close(generate_stream.remote(body)),
         render_routable=routable(render),
         engine_routable=routable(engine),
+        engine_down=engine_down,
     )
     limits = args.limits
     return ComposedService(stages, chat, completion, model.eos_token_id, limits.stage_timeout_s, limits.engine_first_chunk_timeout_s)
@@ -165,6 +174,12 @@ class ComposedService:
 
     # --- the engine: a replica that died is replaced by another at once --------------------------
 
+    def _engine_reachable(self) -> None:
+        """Checked once the request has rendered, so a malformed one is its 400 whatever the engine's
+        state: a 503 now when no engine replica can be reached, not a call queued until one starts."""
+        if self.stages.engine_down is not None and self.stages.engine_down():
+            raise ServiceUnavailableError("Engine has no running replica; retry later.")
+
     async def _generate(self, gen: dict[str, Any]) -> bytes:
         """One non-streaming generation (``GenerateTokensResponse`` JSON)."""
         for attempt in range(1, ENGINE_ATTEMPTS + 1):
@@ -197,6 +212,7 @@ class ComposedService:
         """
         stream = stream_flag(body)
         rendered = await within(self.stages.render_chat(body, request_id), self.render_timeout_s, "Render", self.stages.render_routable)
+        self._engine_reachable()
         gen = _no_detokenize(json.loads(rendered))
         prompt_ids = gen["token_ids"]
         if not stream:
@@ -240,6 +256,7 @@ class ComposedService:
         stream = stream_flag(body)
         rendering = self.stages.render_completion(body, request_id)
         rendered = await within(rendering, self.render_timeout_s, "Render", self.stages.render_routable)
+        self._engine_reachable()
         gens = [_no_detokenize(g) for g in json.loads(rendered)]
         if not stream:
             responses = await _gather_or_cancel([self._generate(g) for g in gens])

@@ -148,14 +148,14 @@ class Ingress:
         self.args = args
         self.model = model
         # Where each stage runs (in this process when colocated, else by handle): serve_app/stages.py.
-        self.stages = await build_stages(args, model, render, plain_derender, parser_derender, engine)
+        self.health = StageHealth(serve.get_replica_context().app_name)
+        self.stages = await build_stages(args, model, render, plain_derender, parser_derender, engine, self.health)
         # make run's HAProxy hashes every chunk's stream id (front_door.HAPROXY_BALANCE): chunks without
         # x-session-id then reach this replica again too, so they are parsed here, not sent to ParserDerender.
         self.front_door_hashes = hashes_stream_id()
         self._replica = serve.get_replica_context()
         self._peers: Any = None  # this deployment's own handle, made at the first scrape (see /metrics)
         self._created = int(time.time())
-        self.health = StageHealth(serve.get_replica_context().app_name)
         self._engine_sse: Any = engine.options(stream=True, method_name="generate_sse") if engine is not None else None
         self._background: set[asyncio.Task] = set()
         freeze_startup_heap()
@@ -386,8 +386,7 @@ class Ingress:
         body = load_body(await request.body())
         if not isinstance(body, dict):  # the render stage words the 400 exactly as vLLM
             await getattr(self.stages.render, render).remote(body)
-        self._fail_fast(self.stages.render)
-        self._fail_fast(self.stages.engine)
+        self._fail_fast(self.stages.render)  # the engine's is checked after render (ComposedService)
         out = await compose(body, request.headers.get("x-request-id"))
         if isinstance(out, (bytes, bytearray)):
             return Response(out, media_type="application/json")

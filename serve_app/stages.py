@@ -119,11 +119,18 @@ class IngressStages:
 
 
 async def build_stages(
-    args: AppArgs, model: ResolvedModel, render: Any, plain_derender: Any, parser_derender: Any | None, engine: Any | None
+    args: AppArgs,
+    model: ResolvedModel,
+    render: Any,
+    plain_derender: Any,
+    parser_derender: Any | None,
+    engine: Any | None,
+    health: StageHealth | None = None,
 ) -> IngressStages:
     """The stages of one Ingress replica from its deployment handles: each colocated one built in
     this process (vLLM's render state, ~0.6 GiB, shared with the parsers), and the composed path,
-    whose derender always runs here (one Serve hop per token)."""
+    whose derender always runs here (one Serve hop per token). ``health``: the replica's view of the
+    deployments, for the composed path's fast 503 when no engine replica can be reached."""
     colocated = set(args.colocate_in_ingress)
     render_state = None
     if "render" in colocated:
@@ -146,7 +153,8 @@ async def build_stages(
     composed = None
     if engine is not None:
         assert plain is not None
-        composed = build_composed(args, model, render, engine, parsers or plain, plain)
+        engine_down = None if health is None else lambda: unreachable(health, engine)
+        composed = build_composed(args, model, render, engine, parsers or plain, plain, engine_down)
     return IngressStages(
         render=render,
         plain_derender=plain_derender,

@@ -261,6 +261,18 @@ def test_engine_restart_keeps_cpu_tier_up(engine_app_url):
         time.sleep(0.5)
     assert not_ready.status_code == 503 and not_ready.headers["retry-after"]
     assert "Engine" in not_ready.json()["error"]["message"]
+    # Meanwhile the composed API: a malformed request is still the client's 400 (render checks it
+    # first), a good one a fast 503 with Retry-After, never a call queued until the engine is back.
+    cases = (
+        ("/v1/chat/completions", {**chat, "max_tokens": 3}, {**chat, "temperature": "hot"}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3}, {"prompt": "hi", "n": "two"}),
+    )
+    for path, good, bad in cases:
+        bad_answer = httpx.post(engine_app_url + path, json=bad, timeout=30)
+        assert bad_answer.status_code == 400 and bad_answer.json()["error"]["type"] == "BadRequestError", bad_answer.text
+        down = httpx.post(engine_app_url + path, json=good, timeout=30)
+        assert down.status_code == 503 and down.headers["retry-after"], down.text
+        assert down.json()["error"]["message"] == "Engine has no running replica; retry later."
     deadline = time.monotonic() + 180
     body = {"token_ids": PROMPT, "sampling_params": {"temperature": 0, "max_tokens": 3}}
     while True:
