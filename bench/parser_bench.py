@@ -180,11 +180,11 @@ def session_outcomes(base: str) -> dict[str, float]:
 
 
 def run_ours(w1000: tuple[list[int], list[int]], w4000: tuple[list[int], list[int]]) -> dict[str, Any]:
-    from serve_app.front_door import HAPROXY_BALANCE
+    from bench.common.serve_cluster import make_run_env
 
-    # make run's front door, set before Ray starts: Ray's HAProxy manager and the Ingress replicas, in
-    # processes of the cluster started below, read it from the environment they inherit.
-    os.environ["RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"] = HAPROXY_BALANCE
+    # make run's environment (SERVE_ENV and its front door), set before Ray starts: Ray's HAProxy manager
+    # and the Ingress replicas, in processes of the cluster started below, read it from the environment.
+    os.environ.update(make_run_env())
     import ray
     from ray import serve
 
