@@ -17,6 +17,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ __all__ = [
     "KINDS",
     "Run",
     "app_config",
+    "busiest_engine",
     "engine_replicas",
     "fault_run",
     "request",
@@ -65,15 +67,34 @@ def app_config(route_prefix: str, replicas: int = 2, kv_cache_bytes: int = 128 <
     }
 
 
-def engine_replicas() -> dict[str, tuple[str, int | None]]:
-    """The Engine's replicas as the Serve controller lists them: ``{replica id: (state, pid)}``."""
+def _engine_replica_details() -> list[dict[str, Any]]:
     import ray
     from ray.serve.context import _get_global_client
 
     details = ray.get(_get_global_client()._controller.get_serve_instance_details.remote())
     app = details["applications"].get(APP) or {}
-    replicas = ((app.get("deployments") or {}).get("Engine") or {}).get("replicas") or []
-    return {r["replica_id"]: (str(getattr(r["state"], "value", r["state"])), r.get("pid")) for r in replicas}
+    return ((app.get("deployments") or {}).get("Engine") or {}).get("replicas") or []
+
+
+def engine_replicas() -> dict[str, tuple[str, int | None]]:
+    """The Engine's replicas as the Serve controller lists them: ``{replica id: (state, pid)}``."""
+    return {r["replica_id"]: (str(getattr(r["state"], "value", r["state"])), r.get("pid")) for r in _engine_replica_details()}
+
+
+def busiest_engine() -> tuple[str, int]:
+    """``(replica id, pid)`` of the RUNNING Engine replica with the most requests in flight, each asked
+    directly (the queue-length probe Serve's router uses, which user code cannot block): the replica
+    a kill now is sure to find busy, wherever the router happened to send the requests."""
+    import ray
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    load: dict[str, tuple[int, int]] = {}
+    for r in _engine_replica_details():
+        if str(getattr(r["state"], "value", r["state"])) == "RUNNING" and r.get("pid"):
+            actor = ray.get_actor(r["actor_name"], namespace=SERVE_NAMESPACE)
+            load[r["replica_id"]] = (ray.get(actor.get_num_ongoing_requests.remote(), timeout=30), r["pid"])
+    replica_id = max(load, key=lambda rid: load[rid][0])
+    return replica_id, load[replica_id][1]
 
 
 def wait_engines(n: int, dead: set[str] | frozenset[str] = frozenset(), timeout_s: float = 900) -> dict[str, int | None]:
@@ -183,11 +204,12 @@ def run_request(base: str, kind: str, body: dict[str, Any], path: str, on_frame:
 
 
 def fault_run(
-    base: str, tok: Any, victim_pid: int, per_kind: int = 3, sentences: int = 16, frames_before_kill: int = 3
+    base: str, tok: Any, victim_pid: int | Callable[[], int], per_kind: int = 3, sentences: int = 16, frames_before_kill: int = 3
 ) -> tuple[list[Run], float]:
     """``per_kind`` requests of every kind at once; once every stream has ``frames_before_kill``
-    frames (the engines are generating, the whole requests with them), SIGKILL ``victim_pid``. A cut
-    stream is retried once, at once. Returns the runs and the moment of the kill (``time.monotonic``)."""
+    frames (the engines are generating, the whole requests with them), SIGKILL ``victim_pid`` (or
+    the pid it returns, asked then). A cut stream is retried once, at once. Returns the runs and the
+    moment of the kill (``time.monotonic``)."""
     jobs = [(kind, *request(kind, tok, sentences)) for kind in KINDS for _ in range(per_kind)]
     streams = sum(1 for _, _, body in jobs if body["stream"])
     generating = threading.Semaphore(0)
@@ -207,8 +229,9 @@ def fault_run(
         for _ in range(streams):
             if not generating.acquire(timeout=300):
                 raise AssertionError("the streams never started generating")
+        pid = victim_pid() if callable(victim_pid) else victim_pid
         killed_at = time.monotonic()
-        os.kill(victim_pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         runs = [f.result() for f in futures]
     return runs, killed_at
 
