@@ -269,7 +269,7 @@ def test_engine_restart_keeps_cpu_tier_up(engine_app_url):
     )
     for path, good, bad in cases:
         bad_answer = httpx.post(engine_app_url + path, json=bad, timeout=30)
-        assert bad_answer.status_code == 400 and bad_answer.json()["error"]["type"] == "BadRequestError", bad_answer.text
+        assert bad_answer.status_code == 400 and bad_answer.json()["error"]["code"] == 400, bad_answer.text
         down = httpx.post(engine_app_url + path, json=good, timeout=30)
         assert down.status_code == 503 and down.headers["retry-after"], down.text
         assert down.json()["error"]["message"] == "Engine has no running replica; retry later."
