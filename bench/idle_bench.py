@@ -17,6 +17,7 @@ import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from bench.common.cpu import cpu_by_role, proc_cpu
@@ -36,7 +37,7 @@ def measure(interval_ms: str, window_s: float) -> dict[str, Any]:
     env = {**os.environ, **make_run_env(), "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": interval_ms, "RAY_AUTH_MODE": "disabled"}
     LOGS.mkdir(parents=True, exist_ok=True)
     with (LOGS / f"idle-{interval_ms}.log").open("w") as out:
-        proc = subprocess.Popen([str(REPO / ".venv/bin/serve"), "run", "serve_config.yaml"], cwd=REPO, env=env,
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("serve")), "run", "serve_config.yaml"], cwd=REPO, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             t0 = time.monotonic()

@@ -180,7 +180,7 @@ def session_outcomes(base: str) -> dict[str, float]:
 
 
 def run_ours(w1000: tuple[list[int], list[int]], w4000: tuple[list[int], list[int]]) -> dict[str, Any]:
-    from bench.common.serve_cluster import make_run_env
+    from bench.common.serve_cluster import haproxy_replicas_up, make_run_env
 
     # make run's environment (SERVE_ENV and its front door), set before Ray starts: Ray's HAProxy manager
     # and the Ingress replicas, in processes of the cluster started below, read it from the environment.
@@ -188,7 +188,6 @@ def run_ours(w1000: tuple[list[int], list[int]], w4000: tuple[list[int], list[in
     import ray
     from ray import serve
 
-    from bench.common.serve_cluster import haproxy_replicas_up
     from serve_app.app import build_app
     from serve_app.config import AppArgs
 

@@ -156,7 +156,7 @@ def test_haproxys_own_answers_are_vllms_envelope(front_door):
     over Ray's plain-text `errorfile` 500. (A request that is not HTTP at all still gets HAProxy's
     HTML 400: its parser answers before `http-error` applies. Checked here so a change shows.)"""
     url, down_port = front_door
-    port = int(url.split(":")[2].split("/")[0])
+    port = httpx.URL(url).port
     status, headers, body = _raw(port, b"GET /health HTTP/1.1\r\nHost: a\r\nno colon here\r\n\r\n")
     assert status == 400 and headers["content-type"] == "text/html", (status, headers, body)
     status, headers, body = _raw(down_port, b"GET /health HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
