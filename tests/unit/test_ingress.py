@@ -225,7 +225,15 @@ from fastapi.testclient import TestClient  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from serve_app.front_door import BodyDeadlineMiddleware, StrictHeadersMiddleware, middlewares, undecodable_header  # noqa: E402
+from serve_app.front_door import (  # noqa: E402
+    ONE_BODY_ROUTES,
+    BodyDeadlineMiddleware,
+    ServeHintsMiddleware,
+    StrictHeadersMiddleware,
+    middlewares,
+    undecodable_header,
+    with_serve_hints,
+)
 
 
 @pytest.fixture
@@ -376,7 +384,42 @@ def test_a_raw_byte_in_a_header_ray_decodes_is_a_400_naming_it(name):
 def test_the_callback_ray_calls_returns_starlette_middleware():
     from ray.serve._private.http_util import validate_http_proxy_callback_return
 
-    assert [m.cls for m in validate_http_proxy_callback_return(middlewares())] == [StrictHeadersMiddleware]
+    assert [m.cls for m in validate_http_proxy_callback_return(middlewares())] == [ServeHintsMiddleware, StrictHeadersMiddleware]
+
+
+def _ingress_post_routes() -> set[str]:
+    from serve_app.ingress import api
+
+    return {r.path for r in api.routes if "POST" in getattr(r, "methods", ())}
+
+
+def test_one_body_routes_are_the_ingress_routes_that_hold_no_engine_request():
+    assert ONE_BODY_ROUTES <= _ingress_post_routes()
+    assert _ingress_post_routes() - ONE_BODY_ROUTES == {"/inference/v1/generate", "/v1/chat/completions", "/v1/completions"}
+
+
+def _hints(method: str, path: str, headers: list[tuple[bytes, bytes]]) -> list[bytes]:
+    """The disconnect hint values Ray's parser would see after :func:`with_serve_hints`."""
+    scope = with_serve_hints({"type": "http", "method": method, "path": path, "headers": headers})
+    from ray.serve._private.http_util import parse_disconnect_disabled_header
+
+    values = [v for k, v in scope["headers"] if k == b"x-request-disconnect-disabled"]
+    assert parse_disconnect_disabled_header(dict(scope["headers"])) is (values == [b"?1"])
+    return values
+
+
+@pytest.mark.parametrize("path", sorted(ONE_BODY_ROUTES))
+def test_one_body_routes_skip_serves_disconnect_watch(path):
+    assert _hints("POST", path, [(b"host", b"h")]) == [b"?1"]
+    assert _hints("POST", path, [(b"x-request-disconnect-disabled", b"?0")]) == [b"?1"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/inference/v1/generate"])
+def test_a_client_cannot_switch_off_the_disconnect_watch_of_an_engine_request(path):
+    original = [(b"host", b"h"), (b"X-Request-Disconnect-Disabled", b"?1")]
+    assert _hints("POST", path, original) == []
+    assert original == [(b"host", b"h"), (b"X-Request-Disconnect-Disabled", b"?1")]  # the caller's list is not mutated
+    assert _hints("GET", "/v1/chat/completions/derender", [(b"x-request-disconnect-disabled", b"?1")]) == []
 
 
 def _deadline_app(**limits):
