@@ -9,7 +9,7 @@ import platform
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from bench.common.paths import REPO
 
@@ -70,6 +70,27 @@ def ratio(a: Any, b: Any) -> str:
     if a is None or b is None or not b or a != a or b != b:
         return "–"
     return f"{a / b:.2f}×"
+
+
+def diff_keys(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """``identical``, or the keys whose values differ between two dicts (``differs in k1, k2``)."""
+    return "identical" if a == b else "differs in " + ", ".join(sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)))
+
+
+def role_columns(roles: Iterable[str], order: list[str]) -> list[str]:
+    """Process roles as a table's columns: those in ``order`` first, in its order, then the others sorted."""
+    found = set(roles)
+    return [k for k in order if k in found] + sorted(found - set(order))
+
+
+def env_cell(env: dict[str, Any]) -> str:
+    """Extra environment as a table cell: ```K=V``` each, ``–`` for none."""
+    return " ".join(f"`{k}={v}`" for k, v in env.items()) or "–"
+
+
+def replicas_cell(deployments: dict[str, Any]) -> str:
+    """Replicas per deployment as a table cell: ``Ingress ×2, Render ×1``."""
+    return ", ".join(f"{k} ×{v}" for k, v in deployments.items())
 
 
 def _with_total(render: Callable[[dict[str, Any]], str], data: dict[str, Any]) -> str:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Coroutine, Iterator, NoReturn
 
 from bench.common.paths import REPO
 from bench.common.ray_internals import haproxy_replicas_up
-from bench.common.servers import kill_group
+from bench.common.servers import free_port, kill_group, wait_http
 from tests.harness.metrics import session_outcomes as session_outcomes  # re-exported for the benches
 
 APP_NAME = "serve_app"
@@ -100,8 +100,6 @@ def local_serve(namespace: str) -> Iterator[int]:
     import ray
     from ray import serve
 
-    from bench.common.servers import free_port
-
     port = free_port()
     try:
         start_serve(port=port, namespace=namespace)
@@ -127,7 +125,6 @@ def start_ours(app_args: dict[str, Any], *, namespace: str, ingress: int, ready_
     """Our app built from ``app_args`` (a dict of ``AppArgs``) by :func:`start_app` on a free port, waited for
     (``/ready`` twice in a row, ``ingress`` replicas UP in HAProxy). Returns its base URL and
     ``haproxy_replicas_up``, ``startup_s``, ``deployments``."""
-    from bench.common.servers import free_port, wait_http
     from serve_app.app import build_app
     from serve_app.config import AppArgs
 
@@ -233,3 +230,18 @@ def run_worker_process(module: str, cfg: dict[str, Any], passthrough: list[str],
         finally:
             kill_group(proc)
     return (json.loads(out.read_text()) if out.exists() else None), proc.returncode
+
+
+def run_config_worker(module: str, cfg: dict[str, Any], topology: str, failed: dict[str, Any], passthrough: list[str],
+                      stem: Path, timeout: float) -> dict[str, Any]:
+    """One Serve configuration ``cfg`` (``name``, ``env``, ...) in its worker (:func:`run_worker_process`) on a
+    free ``port``, writing ``<stem>.json``, logging to ``<stem>.log``. Returns its result, or ``failed`` with
+    the error when it wrote none; ``wall_s`` added."""
+    cfg = {**cfg, "port": free_port(), "out": f"{stem}.json"}
+    print(f"\n== serve_app {cfg['name']}: env {cfg['env'] or '{}'}, {topology}", flush=True)
+    t0 = time.monotonic()
+    result, code = run_worker_process(module, cfg, passthrough, Path(f"{stem}.log"), timeout)
+    if result is None:
+        result = {**failed, "error": f"worker exited {code}, see {stem}.log"}
+    result["wall_s"] = time.monotonic() - t0
+    return result
