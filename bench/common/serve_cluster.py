@@ -138,6 +138,41 @@ def start_ours(app_args: dict[str, Any], *, namespace: str, ingress: int, ready_
     return base, {"haproxy_replicas_up": up, "startup_s": time.monotonic() - t0, "deployments": replica_counts()}
 
 
+@contextlib.contextmanager
+def vllm_and_ours(vllm: dict[str, Any], ours: dict[str, Any] | None, setup: dict[str, Any], *, namespace: str,
+                  ingress: int) -> Iterator[str | None]:
+    """Launch the vLLM servers (``{"render": VllmRender, "serve": VllmServe}``, or fewer), start ours from the
+    ``AppArgs`` dict ``ours`` by :func:`start_ours` meanwhile (None: not), then wait for vLLM; yields ours' base
+    URL. ``setup`` gets ``vllm_<name>_command`` / ``_startup_s``, ours' ``ours_*`` start-up and ``make run``'s
+    env. Everything started is stopped after the block (the local Ray cluster shut down with Serve)."""
+    from bench.common.load import progress
+    from bench.common.servers import VllmServe, shown
+
+    try:
+        for name, server in vllm.items():
+            progress(f"starting vllm {name}")
+            server.launch()
+            setup[f"vllm_{name}_command"] = shown(server.command())
+        base = None
+        if ours is not None:
+            progress("starting ours (Ray Serve, as make run)")
+            base, up = start_ours(ours, namespace=namespace, ingress=ingress, ready_timeout=300)
+            setup.update(ours_haproxy_replicas_up=up["haproxy_replicas_up"], ours_startup_s=up["startup_s"],
+                         ours_deployments=up["deployments"], ours_app_args=ours, ours_env=make_run_env())
+            progress(f"  ours up in {setup['ours_startup_s']:.0f} s: {setup['ours_deployments']}")
+        for name, server in vllm.items():
+            setup[f"vllm_{name}_startup_s"] = asyncio.run(server.wait_ready(600 if isinstance(server, VllmServe) else 300))
+            progress(f"  vllm {name} up in {setup[f'vllm_{name}_startup_s']:.0f} s")
+        yield base
+    finally:
+        for server in vllm.values():
+            server.stop()
+        if ours is not None:
+            import ray
+
+            ray.shutdown()
+
+
 def replica_counts(app_name: str = APP_NAME) -> dict[str, int] | None:
     """Replicas of every deployment of the app (None if Serve cannot say)."""
     from ray import serve
