@@ -42,7 +42,7 @@ from bench.common.cpu import proc_cpu
 from bench.common.load import progress
 from bench.common.paths import LOGS, RESULTS
 from bench.common.plots import pyplot
-from bench.common.report import cli, fmt, machine_info, machine_line, options_json, ratio, rerender, write_results
+from bench.common.report import cli, fmt, listed, machine_info, machine_line, options_json, ratio, rerender, write_results
 from bench.common.serve_cluster import make_run_env, prepare_driver, shipped_colocate, vllm_and_ours
 from bench.common.servers import SCRIPTED_PROCESSOR, VllmServe, shown
 
@@ -376,9 +376,9 @@ def main(argv: list[str] | None = None) -> None:
         rerender(opts.from_json, render_report)
         plot(opts.from_json)
         return
-    opts.concurrency = [int(x) for x in opts.concurrency.split(",") if x]
+    opts.concurrency = [int(x) for x in listed(ap, opts.concurrency)]
     opts.out = opts.out or RESULTS / ("composed" if opts.workload == "random" else f"composed-{opts.workload}")
-    systems = [s for s in opts.systems.split(",") if s]
+    systems = listed(ap, opts.systems, SYSTEMS)
 
     os.environ.update(make_run_env())
     prepare_driver()

@@ -44,10 +44,10 @@ from typing import Any, Awaitable, Callable
 
 from bench.common.cpu import cpu_by_role, idle_cpu_util, proc_cpu
 from bench.common.derender_report import render_report
-from bench.common.load import client_session
+from bench.common.load import client_session, http_call
 from bench.common.paths import LOGS, RESULTS
 from bench.common.ray_internals import direct_ingress_ports, serve_flags
-from bench.common.report import cli, diff_keys, machine_info, options_json, rerender, write_results
+from bench.common.report import cli, diff_keys, listed, machine_info, options_json, rerender, write_results
 from bench.common.serve_cluster import (
     APP_NAME,
     COLOCATE,
@@ -75,7 +75,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "coloc-tput-haproxy": {"env": _TPUT_HA, "coloc": True},
 }
 DEFAULT_CONFIGS = ",".join(CONFIGS)
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,11 +171,10 @@ async def measure_streams(call: Call, bodies: list[dict[str, Any]], streams: int
     by_role = cpu_by_role(procs0, proc_cpu())
     n_tok = len(per_stream[0])
     allv = [x for s in per_stream for x in s]
-    out = {**latency_stats(allv), "streams": streams, "chunks_per_stream": n_tok, "stream_s": elapsed / streams,
-           "first100": latency_stats([x for s in per_stream for x in s[:100]]),
-           "last100": latency_stats([x for s in per_stream for x in s[-100:]]),
-           "cpu_ms_per_chunk_by_role": {k: v / len(allv) * 1e3 for k, v in sorted(by_role.items())}}
-    return out
+    return {**latency_stats(allv), "streams": streams, "chunks_per_stream": n_tok, "stream_s": elapsed / streams,
+            "first100": latency_stats([x for s in per_stream for x in s[:100]]),
+            "last100": latency_stats([x for s in per_stream for x in s[-100:]]),
+            "cpu_ms_per_chunk_by_role": {k: v / len(allv) * 1e3 for k, v in sorted(by_role.items())}}
 
 
 async def measure_repeat(call: Call, body: Any, reps: int) -> dict[str, Any]:
@@ -232,8 +230,7 @@ def parity(ref: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
     out["stream_text_equals_nonstream"] = ours["stream_text"] == ours["chat"]["choices"][0]["message"]["content"]
     for k in ("chat", "completion"):
         out[k] = diff_keys(ref[k], ours[k])
-    out["all_identical"] = (out["stream_chunks"] == "identical" and out["stream_text"] == "identical"
-                            and out["chat"] == "identical" and out["completion"] == "identical")
+    out["all_identical"] = all(out[k] == "identical" for k in ("stream_chunks", "stream_text", "chat", "completion"))
     return out
 
 
@@ -247,19 +244,8 @@ def _digest(obj: Any) -> str:
 
 
 def http_calls(session: Any, base: str) -> tuple[Call, Call]:
-    headers = {"content-type": "application/json"}
-
     def make(path: str) -> Call:
-        url = base + path
-
-        async def call(body: Any) -> bytes:
-            async with session.post(url, data=body, headers=headers) as resp:
-                data = await resp.read()
-                if resp.status != 200:
-                    raise RuntimeError(f"HTTP {resp.status}: {data[:300]!r}")
-                return data
-
-        return call
+        return lambda body: http_call(session, "POST", base + path, body)()
 
     return make(CHAT_PATH), make(COMPLETION_PATH)
 
@@ -409,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--from-json", type=Path, help="only re-render the markdown report from a results JSON")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
-    opts.lengths = [int(x) for x in str(opts.lengths).split(",") if x]
+    opts.lengths = [int(x) for x in listed(ap, opts.lengths)]
     opts.served_name = opts.model
     prepare_driver()
     if opts.worker:
@@ -417,11 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     if opts.from_json:
         rerender(opts.from_json, render_report)
         return
-    configs = [c for c in opts.configs.split(",") if c]
-    bad = [c for c in configs if c not in CONFIGS]
-    if bad:
-        ap.error(f"unknown configs {bad}")
-
+    configs = listed(ap, opts.configs, CONFIGS)
     t_start = time.monotonic()
     LOGS.mkdir(parents=True, exist_ok=True)
     w = workload(opts.model, max([opts.tokens, *opts.lengths]))

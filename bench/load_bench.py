@@ -55,7 +55,7 @@ import orjson
 from bench.common.load import Recorder, Session, client_session, progress, run_sessions, sse_events
 from bench.common.load_report import KV_BYTES, SYSTEMS, UNIT, WORKLOADS, plots, render_report, summary_line
 from bench.common.paths import LOGS, RESULTS
-from bench.common.report import cli, diff_keys, machine_info, options_json, rerender, write_results
+from bench.common.report import cli, diff_keys, listed, machine_info, options_json, rerender, write_results
 from bench.common.serve_cluster import make_run_env, prepare_driver, session_outcomes, shipped_colocate, vllm_and_ours
 from bench.common.servers import SCRIPTED_PROCESSOR, VllmRender, VllmServe
 from bench.common.workloads import (
@@ -414,11 +414,8 @@ def main(argv: list[str] | None = None) -> None:
         for k, v in QUICK.items():
             if getattr(opts, k) == ap.get_default(k):
                 setattr(opts, k, v)
-    opts.concurrency = [int(x) for x in str(opts.concurrency).split(",") if x]
-    opts.workloads = [w for w in opts.workloads.split(",") if w]
-    systems = [s for s in opts.systems.split(",") if s]
-    if bad := [w for w in opts.workloads if w not in WORKLOADS] + [s for s in systems if s not in SYSTEMS]:
-        ap.error(f"unknown {bad}")
+    opts.concurrency = [int(x) for x in listed(ap, opts.concurrency)]
+    opts.workloads, systems = listed(ap, opts.workloads, WORKLOADS), listed(ap, opts.systems, SYSTEMS)
 
     os.environ.update(make_run_env())  # as `make run`
     prepare_driver()

@@ -43,7 +43,7 @@ from bench.common.load import client_session, http_call, measure
 from bench.common.paths import LOGS, REPO, RESULTS
 from bench.common.ray_internals import direct_ingress_ports, serve_flags
 from bench.common.render_report import render_report
-from bench.common.report import cli, diff_keys, machine_info, rerender, write_results
+from bench.common.report import cli, diff_keys, listed, machine_info, rerender, write_results
 from bench.common.serve_cluster import (
     APP_NAME,
     COLOCATE,
@@ -303,13 +303,13 @@ async def _worker_main(opts: argparse.Namespace, cfg: dict[str, Any]) -> dict[st
     for p in opts.payloads if render is not None else []:
         method, body = getattr(render, PAYLOADS[p][1]), payload_bytes(p)
 
-        async def call(method: Any = method, body: bytes = body) -> None:
+        async def handle_call(method: Any = method, body: bytes = body) -> None:
             out = await method.remote(body)
             if not isinstance(out, bytes):
                 raise TypeError(f"unexpected {type(out)}")
 
         for conc in (1, opts.concurrency):
-            stats = await measure(call, concurrency=conc, duration=opts.duration, warmup=opts.warmup,
+            stats = await measure(handle_call, concurrency=conc, duration=opts.duration, warmup=opts.warmup,
                                   min_requests=opts.min_requests if conc == 1 else 0)
             result["rows"].append({"system": "serve_app", "config": cfg["name"], "path": "handle", "payload": p, **stats})
             _progress(result["rows"][-1])
@@ -382,10 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--inproc", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
-    opts.payloads = [p for p in opts.payloads.split(",") if p]
-    unknown = [p for p in opts.payloads if p not in PAYLOADS]
-    if unknown:
-        ap.error(f"unknown payloads {unknown}")
+    opts.payloads = listed(ap, opts.payloads, PAYLOADS)
     prepare_driver()
 
     if opts.worker:
@@ -398,10 +395,7 @@ def main(argv: list[str] | None = None) -> None:
         Path(opts.inproc).write_text(json.dumps(res, default=str))
         return
 
-    configs = [c for c in opts.configs.split(",") if c]
-    bad = [c for c in configs if c not in CONFIGS]
-    if bad:
-        ap.error(f"unknown configs {bad}; choose from {', '.join(CONFIGS)}")
+    configs = listed(ap, opts.configs, CONFIGS)
     t_start = time.monotonic()
     data: dict[str, Any] = {"machine": machine_info(), "options": {k: v for k, v in vars(opts).items() if k not in ("worker", "inproc")},
                             "rows": [], "configs": []}

@@ -121,6 +121,14 @@ def cli(module: str, doc: str) -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+def listed(ap: argparse.ArgumentParser, value: Any, known: Iterable[str] | None = None) -> list[str]:
+    """A comma-separated option's items; ``ap.error`` on one not in ``known`` (when given)."""
+    items = [x for x in str(value).split(",") if x]
+    if known is not None and (bad := [x for x in items if x not in known]):
+        ap.error(f"unknown {bad}; choose from {', '.join(known)}")
+    return items
+
+
 def options_json(opts: argparse.Namespace, *drop: str) -> dict[str, Any]:
     """The parsed options as the results JSON keeps them (paths as strings), without ``drop``."""
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items() if k not in drop}

@@ -1,6 +1,7 @@
 """Workloads more than one benchmark sends: the tool-and-reasoning chat and its scripted output
 (``parser_bench``, ``load_bench``), the multilingual text of the plain derender streams
-(``derender_bench``, ``load_bench``), and what a streamed output joins up to (for parity checks)."""
+(``derender_bench``, ``load_bench``), what a streamed output joins up to and two streams compared call by
+call (for parity checks), whether a streamed event carries output."""
 
 from __future__ import annotations
 
