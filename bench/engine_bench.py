@@ -40,6 +40,7 @@ from bench.common.paths import LOGS, RESULTS
 from bench.common.serve_cluster import APP_NAME, COLOCATE, haproxy_replicas_up, start_app
 from bench.common.servers import SCRIPTED_PROCESSOR, free_port, start_logged, vllm_serve_argv, wait_http_blocking
 from bench.common.stats import latency_stats
+from bench.common.workloads import has_output
 
 PROCESSOR = SCRIPTED_PROCESSOR
 KV_BYTES = 256 * 1024 * 1024
@@ -54,16 +55,6 @@ TEXT = (
 MESSAGES = [{"role": "user", "content": "Tell me about the printing press."}]
 
 
-def _has_output(event: dict[str, Any]) -> bool:
-    for choice in event.get("choices") or []:
-        if choice.get("token_ids"):
-            return True
-        delta = choice.get("delta") or {}
-        if delta.get("content") or delta.get("reasoning") or delta.get("tool_calls"):
-            return True
-    return False
-
-
 def sse_timings(client: Any, url: str, body: dict[str, Any]) -> tuple[float, list[float], int]:
     """(TTFT, inter-event gaps, output events) of one streamed request."""
     t0 = time.perf_counter()
@@ -76,7 +67,7 @@ def sse_timings(client: Any, url: str, body: dict[str, Any]) -> tuple[float, lis
             event = json.loads(line[6:])
             if "error" in event:
                 raise RuntimeError(event["error"])
-            if _has_output(event):
+            if has_output(event):
                 stamps.append(time.perf_counter())
     return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:], strict=False)], len(stamps)
 
@@ -85,7 +76,7 @@ async def handle_timings(handle: Any, body: dict[str, Any]) -> tuple[float, list
     t0 = time.perf_counter()
     stamps: list[float] = []
     async for chunk in handle.options(stream=True).generate_stream.remote(body):
-        if _has_output(chunk):
+        if has_output(chunk):
             stamps.append(time.perf_counter())
     return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:], strict=False)], len(stamps)
 

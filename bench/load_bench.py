@@ -53,26 +53,21 @@ from typing import Any, Awaitable, Callable
 import orjson
 
 from bench.common.load import Recorder, Session, client_session, progress, run_sessions, sse_events
-from bench.common.load_report import KV_BYTES, LATENCY, SYSTEMS, UNIT, WORKLOADS, plots, render_report
+from bench.common.load_report import KV_BYTES, SYSTEMS, UNIT, WORKLOADS, plots, render_report, summary_line
 from bench.common.paths import LOGS, RESULTS
-from bench.common.report import cli, fmt, machine_info, options_json, rerender, write_results
-from bench.common.serve_cluster import (
-    make_run_env,
-    prepare_driver,
-    session_outcomes,
-    shipped_colocate,
-    start_ours,
-)
-from bench.common.servers import SCRIPTED_PROCESSOR, VllmRender, VllmServe, shown
+from bench.common.report import cli, diff_keys, listed, machine_info, options_json, rerender, write_results
+from bench.common.serve_cluster import make_run_env, prepare_driver, session_outcomes, shipped_colocate, vllm_and_ours
+from bench.common.servers import SCRIPTED_PROCESSOR, VllmRender, VllmServe
 from bench.common.workloads import (
     MODEL,
     chat_prompt,
     chat_variant,
+    compare_calls,
+    has_output,
     joined,
     text_output,
     tokenizer,
     tool_reasoning_output,
-    without_random_fields,
 )
 from tests.harness.derender_stream import acarry_state, split, token_chunks
 
@@ -196,14 +191,6 @@ def render_session(http: Any, base: str, wl: dict[str, Any], ref: Any = None, **
     return run
 
 
-def _has_output(event: dict[str, Any]) -> bool:
-    for choice in event.get("choices") or []:
-        delta = choice.get("delta") or {}
-        if delta.get("content") or delta.get("reasoning") or delta.get("tool_calls"):
-            return True
-    return False
-
-
 def composed_session(http: Any, base: str, wl: dict[str, Any], ref: dict[str, Any] | None, *, keep: list[Any] | None = None,
                      **_: Any) -> Session:
     """One streamed chat completion per session: TTFT (sent -> first event with output), ITL (gaps between
@@ -223,7 +210,7 @@ def composed_session(http: Any, base: str, wl: dict[str, Any], ref: dict[str, An
                 event = orjson.loads(data)
                 if "error" in event:
                     raise RuntimeError(f"in-band error: {event['error']}")
-                if _has_output(event):
+                if has_output(event):
                     stamps.append(now)
                 usage = event.get("usage") or usage
                 if event.get("choices"):
@@ -256,27 +243,6 @@ FACTORIES: dict[str, Callable[..., Session]] = {
 # --------------------------------------------------------------------------------------------
 # Parity at c=1, before anything is timed
 # --------------------------------------------------------------------------------------------
-
-
-def _compare_calls(ref: Keep, ours: Keep) -> dict[str, Any]:
-    """Chunks and carried states of two streams, compared call by call (``created`` and random ids aside)."""
-    out: dict[str, Any] = {"calls": len(ref)}
-    parts = []
-    for what, k in (("chunks", 0), ("states", 1)):
-        a = [without_random_fields(x[k]) for x in ref]
-        b = [without_random_fields(x[k]) for x in ours]
-        bad = [i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y]
-        if not bad and len(a) == len(b):
-            parts.append(f"{what} identical")
-            continue
-        lengths = f" (lengths {len(a)} / {len(b)})" if len(a) != len(b) else ""
-        keys = sorted({key for i in bad for key in set(a[i]) | set(b[i]) if a[i].get(key) != b[i].get(key)}) if bad else []
-        parts.append(f"{what}: {len(bad)} of {len(a)} differ{lengths}" + (f" (in {', '.join(keys)})" if keys else ""))
-        if bad:
-            out[f"first_{what}_diff"] = {"call": bad[0], "vllm": a[bad[0]], "ours": b[bad[0]]}
-    out["result"] = "; ".join(parts)
-    out["identical"] = all(p.endswith("identical") for p in parts)
-    return out
 
 
 async def _parity_outputs(http: Any, bases: dict[str, dict[str, str]], wl: dict[str, Any], workload: str) -> dict[str, Any]:
@@ -324,17 +290,14 @@ async def parity(http: Any, bases: dict[str, dict[str, str]], wl: dict[str, Any]
         if len(kept) < 2:
             results[workload] = {"result": "not compared (one system)"}
         elif workload in ("parser", "plain"):
-            results[workload] = _compare_calls(kept["vllm"], kept["ours"])
+            results[workload] = compare_calls(kept["vllm"], kept["ours"])
         elif workload == "render":
             v, o = kept["vllm"], kept["ours"]
-            same = v == o
-            diff = sorted(k for k in set(v["body"]) | set(o["body"]) if v["body"].get(k) != o["body"].get(k)) if not same else []
-            results[workload] = {"result": "identical" if same else "differs in " + ", ".join(diff)}
+            same_status = v["status"] == o["status"]
+            results[workload] = {"result": diff_keys(v["body"], o["body"]) if same_status else f"status {v['status']} / {o['status']}"}
         else:
             v, o = kept["vllm"], kept["ours"]
-            diff = sorted(k for k in v if v[k] != o.get(k))
-            results[workload] = {"result": "identical" if not diff else "differs in " + ", ".join(diff),
-                                 **({"vllm": v, "ours": o} if diff else {})}
+            results[workload] = {"result": diff_keys(v, o), **({"vllm": v, "ours": o} if v != o else {})}
         progress(f"  parity {workload}: {results[workload]['result']}")
     return results, refs
 
@@ -380,21 +343,6 @@ async def parser_cache_stats(http: Any, base: str) -> dict[str, float] | None:
         return None
 
 
-def _summary(row: dict[str, Any]) -> str:
-    w, unit = row["workload"], UNIT[row["workload"]]
-    lat = row["latency"].get(LATENCY[w], {})
-    extra = ""
-    if w == "composed":
-        t = row["latency"].get("ttft", {})
-        extra = f"  TTFT p50 {fmt(t.get('p50_ms'), 1)} p99 {fmt(t.get('p99_ms'), 1)} ms"
-    mism = row["counts"].get("mismatches", 0)
-    if "parser_sessions" in row:
-        extra += f"  session cache {row['parser_sessions']['hits']} hits / {row['parser_sessions']['misses']} misses"
-    return (f"{w:>8} {row['system']:>4} c={row['concurrency']:<3} {row.get(unit + '_per_s', 0):8.1f} {unit}/s  "
-            f"{LATENCY[w]} p50 {fmt(lat.get('p50_ms'), 2)} p99 {fmt(lat.get('p99_ms'), 2)} ms{extra}  "
-            f"{row['sessions']} sessions, {row['errors']} errors, {mism} mismatches, other CPU {100 * row['other_cpu_util']:.0f}%")
-
-
 async def run_cases(bases: dict[str, dict[str, str]], wl: dict[str, Any], opts: argparse.Namespace, data: dict[str, Any],
                     run_start: float) -> None:
     async with client_session(max(opts.concurrency)) as http:
@@ -417,7 +365,7 @@ async def run_cases(bases: dict[str, dict[str, str]], wl: dict[str, Any], opts: 
                     if before is not None and (after := await parser_cache_stats(http, base)) is not None:
                         row["parser_sessions"] = {k: after[k] - before[k] for k in ("hits", "misses")}
                     data["cases"].append(row)
-                    print(_summary(row), flush=True)
+                    print(summary_line(row), flush=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,12 +380,6 @@ def ours_app_args(opts: argparse.Namespace) -> dict[str, Any]:
             "engine": {"enabled": True, "enforce_eager": True, "tokens_only": True,
                        "kv_cache_memory_bytes": KV_BYTES, "logits_processors": [SCRIPTED_PROCESSOR],
                        "max_num_seqs": max(opts.concurrency)}}
-
-
-def launch_ours(opts: argparse.Namespace, setup: dict[str, Any]) -> str:
-    base, up = start_ours(ours_app_args(opts), namespace="load_bench", ingress=opts.ingress_replicas, ready_timeout=300)
-    setup.update(ours_haproxy_replicas_up=up["haproxy_replicas_up"], ours_startup_s=up["startup_s"], ours_deployments=up["deployments"])
-    return base
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -472,11 +414,8 @@ def main(argv: list[str] | None = None) -> None:
         for k, v in QUICK.items():
             if getattr(opts, k) == ap.get_default(k):
                 setattr(opts, k, v)
-    opts.concurrency = [int(x) for x in str(opts.concurrency).split(",") if x]
-    opts.workloads = [w for w in opts.workloads.split(",") if w]
-    systems = [s for s in opts.systems.split(",") if s]
-    if bad := [w for w in opts.workloads if w not in WORKLOADS] + [s for s in systems if s not in SYSTEMS]:
-        ap.error(f"unknown {bad}")
+    opts.concurrency = [int(x) for x in listed(ap, opts.concurrency)]
+    opts.workloads, systems = listed(ap, opts.workloads, WORKLOADS), listed(ap, opts.systems, SYSTEMS)
 
     os.environ.update(make_run_env())  # as `make run`
     prepare_driver()
@@ -492,40 +431,15 @@ def main(argv: list[str] | None = None) -> None:
     setup = data["setup"]
     from serve_app.models import ensure_model
 
-    render = VllmRender(APP_ARGS, "load-vllm-render.log")
-    serve = VllmServe(str(ensure_model(MODEL)), "load-vllm-serve.log", kv_cache_bytes=KV_BYTES, max_num_seqs=max(opts.concurrency),
-                      scale_out=False)
-    bases: dict[str, dict[str, str]] = {}
-    ray_started = False
-    try:
-        if "vllm" in systems:
-            progress("starting vllm launch render and vllm serve")
-            render.launch()
-            serve.launch()
-            setup["vllm_render_command"], setup["vllm_serve_command"] = shown(render.command()), shown(serve.command())
-        if "ours" in systems:
-            progress("starting ours (Ray Serve, as make run)")
-            ray_started = True
-            base = launch_ours(opts, setup)
-            bases["ours"] = {"render": base, "serve": base}
-            setup["ours_app_args"] = ours_app_args(opts)
-            setup["ours_env"] = make_run_env()
-            progress(f"  ours up in {setup['ours_startup_s']:.0f} s: {setup['ours_deployments']}")
-        if "vllm" in systems:
-            setup["vllm_render_startup_s"] = asyncio.run(render.wait_ready())
-            setup["vllm_serve_startup_s"] = asyncio.run(serve.wait_ready(600))
-            progress(f"  vllm launch render up in {setup['vllm_render_startup_s']:.0f} s, "
-                     f"vllm serve in {setup['vllm_serve_startup_s']:.0f} s")
-            bases = {"vllm": {"render": render.base, "serve": serve.base}, **bases}
+    vllm = {"render": VllmRender(APP_ARGS, "load-vllm-render.log"),
+            "serve": VllmServe(str(ensure_model(MODEL)), "load-vllm-serve.log", kv_cache_bytes=KV_BYTES,
+                               max_num_seqs=max(opts.concurrency), scale_out=False)} if "vllm" in systems else {}
+    ours = ours_app_args(opts) if "ours" in systems else None
+    with vllm_and_ours(vllm, ours, setup, namespace="load_bench", ingress=opts.ingress_replicas) as base:
+        bases = {**({"vllm": {k: v.base for k, v in vllm.items()}} if vllm else {}),
+                 **({"ours": {"render": base, "serve": base}} if base else {})}
         setup["ready_s"] = time.perf_counter() - run_start
         asyncio.run(run_cases(bases, wl, opts, data, run_start))
-    finally:
-        render.stop()
-        serve.stop()
-        if ray_started:
-            import ray
-
-            ray.shutdown()  # takes Serve down with the local cluster
     data["total_s"] = time.perf_counter() - run_start
     write_results(opts.out, data, render_report)
     if not opts.no_plots:

@@ -40,7 +40,7 @@ from bench.agent_workload import conversation
 from bench.common.load import Recorder, client_session, progress, run_sessions
 from bench.common.paths import LOGS, RESULTS
 from bench.common.plots import pyplot
-from bench.common.report import cli, fmt, machine_info, machine_line, options_json, ratio, rerender, write_results
+from bench.common.report import cli, fmt, listed, machine_info, machine_line, options_json, ratio, rerender, write_results
 from bench.common.serve_cluster import (
     make_run_env,
     prepare_driver,
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile-conversations", type=int, default=20)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
-    opts.concurrency = [int(x) for x in str(opts.concurrency).split(",") if x]
+    opts.concurrency = [int(x) for x in listed(ap, opts.concurrency)]
     prepare_driver()
     if opts.worker:
         run_worker(opts.worker, lambda cfg: _worker_main(opts, cfg), lambda cfg: {"system": cfg["system"], "cases": [], "digests": {}})
@@ -442,9 +442,7 @@ def main(argv: list[str] | None = None) -> None:
         prof["total_s"] = time.monotonic() - t0
         write_results(RESULTS / "render_agent_profile", prof, render_profile)
         return
-    systems = [s for s in opts.systems.split(",") if s]
-    if bad := [s for s in systems if s not in SYSTEMS]:
-        ap.error(f"unknown systems {bad}")
+    systems = listed(ap, opts.systems, SYSTEMS)
     LOGS.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     options = options_json(opts, "worker")

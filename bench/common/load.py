@@ -27,20 +27,21 @@ def client_session(concurrency: int) -> Any:
     )
 
 
-def http_call(session: Any, method: str, url: str, body: bytes | None) -> Callable[[], Awaitable[None]]:
-    """A call that sends one request and fails unless the answer is 200."""
+def http_call(session: Any, method: str, url: str, body: bytes | None) -> Callable[[], Awaitable[bytes]]:
+    """A call that sends one request and returns the answer's body, failing unless it is 200."""
     headers = {"content-type": "application/json"} if body is not None else {}
 
-    async def call() -> None:
+    async def call() -> bytes:
         async with session.request(method, url, data=body, headers=headers) as resp:
             data = await resp.read()
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {data[:200]!r}")
+            return data
 
     return call
 
 
-async def _drive(call: Callable[[], Awaitable[None]], concurrency: int, duration: float, min_requests: int,
+async def _drive(call: Callable[[], Awaitable[Any]], concurrency: int, duration: float, min_requests: int,
                  max_duration: float) -> tuple[list[float], list[str], float]:
     lat: list[float] = []
     errors: list[str] = []
@@ -63,7 +64,7 @@ async def _drive(call: Callable[[], Awaitable[None]], concurrency: int, duration
     return lat, errors, time.perf_counter() - start
 
 
-async def measure(call: Callable[[], Awaitable[None]], *, concurrency: int, duration: float, warmup: float,
+async def measure(call: Callable[[], Awaitable[Any]], *, concurrency: int, duration: float, warmup: float,
                   min_requests: int = 0) -> dict[str, Any]:
     """Warm up, then drive ``call`` from ``concurrency`` workers; latency, throughput and CPU per request."""
     if warmup > 0:

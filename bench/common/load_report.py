@@ -174,6 +174,22 @@ def plots(load_json: Path) -> None:
         print(f"no plots ({exc}): pip install -e '.[bench]'")
 
 
+def summary_line(row: dict[str, Any]) -> str:
+    """One case's progress line: rate, latency, sessions, errors, mismatches, other CPU."""
+    w, unit = row["workload"], UNIT[row["workload"]]
+    lat = row["latency"].get(LATENCY[w], {})
+    extra = ""
+    if w == "composed":
+        t = row["latency"].get("ttft", {})
+        extra = f"  TTFT p50 {fmt(t.get('p50_ms'), 1)} p99 {fmt(t.get('p99_ms'), 1)} ms"
+    mism = row["counts"].get("mismatches", 0)
+    if "parser_sessions" in row:
+        extra += f"  session cache {row['parser_sessions']['hits']} hits / {row['parser_sessions']['misses']} misses"
+    return (f"{w:>8} {row['system']:>4} c={row['concurrency']:<3} {row.get(unit + '_per_s', 0):8.1f} {unit}/s  "
+            f"{LATENCY[w]} p50 {fmt(lat.get('p50_ms'), 2)} p99 {fmt(lat.get('p99_ms'), 2)} ms{extra}  "
+            f"{row['sessions']} sessions, {row['errors']} errors, {mism} mismatches, other CPU {100 * row['other_cpu_util']:.0f}%")
+
+
 def _case(data: dict[str, Any], workload: str, system: str, c: int) -> dict[str, Any] | None:
     for row in data["cases"]:
         if row["workload"] == workload and row["system"] == system and row["concurrency"] == c and row.get("sessions"):

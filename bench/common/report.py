@@ -9,7 +9,7 @@ import platform
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from bench.common.paths import REPO
 
@@ -72,6 +72,27 @@ def ratio(a: Any, b: Any) -> str:
     return f"{a / b:.2f}×"
 
 
+def diff_keys(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """``identical``, or the keys whose values differ between two dicts (``differs in k1, k2``)."""
+    return "identical" if a == b else "differs in " + ", ".join(sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)))
+
+
+def role_columns(roles: Iterable[str], order: list[str]) -> list[str]:
+    """Process roles as a table's columns: those in ``order`` first, in its order, then the others sorted."""
+    found = set(roles)
+    return [k for k in order if k in found] + sorted(found - set(order))
+
+
+def env_cell(env: dict[str, Any]) -> str:
+    """Extra environment as a table cell: ```K=V``` each, ``–`` for none."""
+    return " ".join(f"`{k}={v}`" for k, v in env.items()) or "–"
+
+
+def replicas_cell(deployments: dict[str, Any]) -> str:
+    """Replicas per deployment as a table cell: ``Ingress ×2, Render ×1``."""
+    return ", ".join(f"{k} ×{v}" for k, v in deployments.items())
+
+
 def _with_total(render: Callable[[dict[str, Any]], str], data: dict[str, Any]) -> str:
     return render(data) + f"\nWhole run: {data.get('total_s', 0):.0f} s.\n"
 
@@ -98,6 +119,14 @@ def cli(module: str, doc: str) -> argparse.ArgumentParser:
     description (the rest of ``--help`` as written)."""
     return argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def listed(ap: argparse.ArgumentParser, value: Any, known: Iterable[str] | None = None) -> list[str]:
+    """A comma-separated option's items; ``ap.error`` on one not in ``known`` (when given)."""
+    items = [x for x in str(value).split(",") if x]
+    if known is not None and (bad := [x for x in items if x not in known]):
+        ap.error(f"unknown {bad}; choose from {', '.join(known)}")
+    return items
 
 
 def options_json(opts: argparse.Namespace, *drop: str) -> dict[str, Any]:

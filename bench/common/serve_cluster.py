@@ -19,7 +19,7 @@ from typing import Any, Callable, Coroutine, Iterator, NoReturn
 
 from bench.common.paths import REPO
 from bench.common.ray_internals import haproxy_replicas_up
-from bench.common.servers import kill_group
+from bench.common.servers import free_port, kill_group, wait_http
 from tests.harness.metrics import session_outcomes as session_outcomes  # re-exported for the benches
 
 APP_NAME = "serve_app"
@@ -100,8 +100,6 @@ def local_serve(namespace: str) -> Iterator[int]:
     import ray
     from ray import serve
 
-    from bench.common.servers import free_port
-
     port = free_port()
     try:
         start_serve(port=port, namespace=namespace)
@@ -127,7 +125,6 @@ def start_ours(app_args: dict[str, Any], *, namespace: str, ingress: int, ready_
     """Our app built from ``app_args`` (a dict of ``AppArgs``) by :func:`start_app` on a free port, waited for
     (``/ready`` twice in a row, ``ingress`` replicas UP in HAProxy). Returns its base URL and
     ``haproxy_replicas_up``, ``startup_s``, ``deployments``."""
-    from bench.common.servers import free_port, wait_http
     from serve_app.app import build_app
     from serve_app.config import AppArgs
 
@@ -139,6 +136,41 @@ def start_ours(app_args: dict[str, Any], *, namespace: str, ingress: int, ready_
     asyncio.run(wait_http(base + "/ready", ready_timeout, ok_in_a_row=2))
     up = asyncio.run(wait_haproxy_up(ingress))
     return base, {"haproxy_replicas_up": up, "startup_s": time.monotonic() - t0, "deployments": replica_counts()}
+
+
+@contextlib.contextmanager
+def vllm_and_ours(vllm: dict[str, Any], ours: dict[str, Any] | None, setup: dict[str, Any], *, namespace: str,
+                  ingress: int) -> Iterator[str | None]:
+    """Launch the vLLM servers (``{"render": VllmRender, "serve": VllmServe}``, or fewer), start ours from the
+    ``AppArgs`` dict ``ours`` by :func:`start_ours` meanwhile (None: not), then wait for vLLM; yields ours' base
+    URL. ``setup`` gets ``vllm_<name>_command`` / ``_startup_s``, ours' ``ours_*`` start-up and ``make run``'s
+    env. Everything started is stopped after the block (the local Ray cluster shut down with Serve)."""
+    from bench.common.load import progress
+    from bench.common.servers import VllmServe, shown
+
+    try:
+        for name, server in vllm.items():
+            progress(f"starting vllm {name}")
+            server.launch()
+            setup[f"vllm_{name}_command"] = shown(server.command())
+        base = None
+        if ours is not None:
+            progress("starting ours (Ray Serve, as make run)")
+            base, up = start_ours(ours, namespace=namespace, ingress=ingress, ready_timeout=300)
+            setup.update(ours_haproxy_replicas_up=up["haproxy_replicas_up"], ours_startup_s=up["startup_s"],
+                         ours_deployments=up["deployments"], ours_app_args=ours, ours_env=make_run_env())
+            progress(f"  ours up in {setup['ours_startup_s']:.0f} s: {setup['ours_deployments']}")
+        for name, server in vllm.items():
+            setup[f"vllm_{name}_startup_s"] = asyncio.run(server.wait_ready(600 if isinstance(server, VllmServe) else 300))
+            progress(f"  vllm {name} up in {setup[f'vllm_{name}_startup_s']:.0f} s")
+        yield base
+    finally:
+        for server in vllm.values():
+            server.stop()
+        if ours is not None:
+            import ray
+
+            ray.shutdown()
 
 
 def replica_counts(app_name: str = APP_NAME) -> dict[str, int] | None:
@@ -233,3 +265,18 @@ def run_worker_process(module: str, cfg: dict[str, Any], passthrough: list[str],
         finally:
             kill_group(proc)
     return (json.loads(out.read_text()) if out.exists() else None), proc.returncode
+
+
+def run_config_worker(module: str, cfg: dict[str, Any], topology: str, failed: dict[str, Any], passthrough: list[str],
+                      stem: Path, timeout: float) -> dict[str, Any]:
+    """One Serve configuration ``cfg`` (``name``, ``env``, ...) in its worker (:func:`run_worker_process`) on a
+    free ``port``, writing ``<stem>.json``, logging to ``<stem>.log``. Returns its result, or ``failed`` with
+    the error when it wrote none; ``wall_s`` added."""
+    cfg = {**cfg, "port": free_port(), "out": f"{stem}.json"}
+    print(f"\n== serve_app {cfg['name']}: env {cfg['env'] or '{}'}, {topology}", flush=True)
+    t0 = time.monotonic()
+    result, code = run_worker_process(module, cfg, passthrough, Path(f"{stem}.log"), timeout)
+    if result is None:
+        result = {**failed, "error": f"worker exited {code}, see {stem}.log"}
+    result["wall_s"] = time.monotonic() - t0
+    return result

@@ -1,6 +1,7 @@
 """Workloads more than one benchmark sends: the tool-and-reasoning chat and its scripted output
 (``parser_bench``, ``load_bench``), the multilingual text of the plain derender streams
-(``derender_bench``, ``load_bench``), and what a streamed output joins up to (for parity checks)."""
+(``derender_bench``, ``load_bench``), what a streamed output joins up to and two streams compared call by
+call (for parity checks), whether a streamed event carries output."""
 
 from __future__ import annotations
 
@@ -127,3 +128,34 @@ def without_random_fields(obj: Any) -> Any:
     if isinstance(obj, list):
         return [without_random_fields(v) for v in obj]
     return obj
+
+
+def compare_calls(ref: list[tuple[Any, Any]], ours: list[tuple[Any, Any]]) -> dict[str, Any]:
+    """Two streams' (chunk, carried state) per call, compared call by call (``created`` and random ids aside)."""
+    out: dict[str, Any] = {"calls": len(ref)}
+    parts = []
+    for what, k in (("chunks", 0), ("states", 1)):
+        a = [without_random_fields(x[k]) for x in ref]
+        b = [without_random_fields(x[k]) for x in ours]
+        bad = [i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y]
+        if not bad and len(a) == len(b):
+            parts.append(f"{what} identical")
+            continue
+        lengths = f" (lengths {len(a)} / {len(b)})" if len(a) != len(b) else ""
+        keys = sorted({key for i in bad for key in set(a[i]) | set(b[i]) if a[i].get(key) != b[i].get(key)}) if bad else []
+        parts.append(f"{what}: {len(bad)} of {len(a)} differ{lengths}" + (f" (in {', '.join(keys)})" if keys else ""))
+        if bad:
+            out[f"first_{what}_diff"] = {"call": bad[0], "vllm": a[bad[0]], "ours": b[bad[0]]}
+    out["result"] = "; ".join(parts)
+    out["identical"] = all(p.endswith("identical") for p in parts)
+    return out
+
+
+def has_output(event: dict[str, Any]) -> bool:
+    """Whether a streamed event (an SSE chat chunk, an engine chunk) carries output: token ids, or a content,
+    reasoning or tool-call delta."""
+    for choice in event.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if choice.get("token_ids") or delta.get("content") or delta.get("reasoning") or delta.get("tool_calls"):
+            return True
+    return False
