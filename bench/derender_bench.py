@@ -51,6 +51,7 @@ from bench.common.report import cli, diff_keys, listed, machine_info, options_js
 from bench.common.serve_cluster import (
     APP_NAME,
     COLOCATE,
+    make_run_env,
     prepare_driver,
     replica_counts,
     run_config_worker,
@@ -73,6 +74,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "plain-tput-haproxy": {"env": _TPUT_HA, "coloc": False},
     "coloc-default": {"env": {}, "coloc": True},
     "coloc-tput-haproxy": {"env": _TPUT_HA, "coloc": True},
+    # make run's SERVE_ENV: its front door middleware too (Serve's disconnect hint on derender routes),
+    # without the parser-stream hash, which plain derender does not use.
+    "coloc-make-run": {"env": {k: v for k, v in make_run_env().items() if k != "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"}, "coloc": True},
 }
 DEFAULT_CONFIGS = ",".join(CONFIGS)
 
