@@ -365,6 +365,18 @@ def test_request_cache_is_bounded_in_bytes_and_keeps_no_conversation(service, id
         assert count_history_tool_calls(config.request) == 2 and len(config.request.messages) == 1
 
 
+def test_a_request_configuration_leaves_the_callers_chat_request_as_sent(service):
+    """vLLM's validation fills in ``tool_choice``; done on the caller's dict, a stream's next chunk
+    sharing it would look its configuration (and so its session) up under another key."""
+    import copy
+
+    chat_request = {**copy.deepcopy(CHAT_REQUEST), "messages": [{"role": "user", "content": "as sent"}]}
+    sent = copy.deepcopy(chat_request)
+    first = service.request_config(chat_request)
+    assert chat_request == sent and "tool_choice" not in chat_request
+    assert service.request_config(chat_request) is first
+
+
 def test_request_cache_is_exact_when_two_threads_fill_it(service):
     """The loop thread (stream chunks) and the worker thread (big non-streaming requests) both look
     configurations up and file them: the byte count and the bounds stay exact."""
