@@ -28,15 +28,15 @@ from serve_app.compose import ComposedService
 from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import RETRY_AFTER_S, ApiError, ServiceUnavailableError, envelope, error_body, validation_error
 from serve_app.front_door import BodyDeadlineMiddleware, hashes_stream_id
-from serve_app.health import StageHealth, replica_gone, routable
+from serve_app.health import StageHealth, routable
 from serve_app.heap import freeze_startup_heap
 from serve_app.limits import BodySizeLimitMiddleware
 from serve_app.logs import get_logger
 from serve_app.metrics import CONTENT_TYPE_LATEST, HttpMetrics, MetricsMiddleware
-from serve_app.stages import build_stages, choose_derender, unreachable
+from serve_app.stages import build_stages, fail_fast, parse_chat
 from serve_app.streaming import cancel_on_close, sse_response, sse_stream
 from serve_app.timeouts import within
-from serve_app.wire import check_json_content_type, forwarded_headers, load_body, stream_flag, stream_id
+from serve_app.wire import check_json_content_type, forwarded_headers, load_body, stream_flag
 
 __all__ = ["Ingress", "api"]
 
@@ -233,69 +233,33 @@ class Ingress:
         return Response(out, media_type="application/json")
 
     def _fail_fast(self, stage: Any) -> None:
-        """A 503 now for a stage deployment with no replica to reach (see ``_unreachable``)."""
-        if unreachable(self.health, stage):
-            raise ServiceUnavailableError(f"{stage.deployment_name} has no running replica; retry later.")
+        """A 503 now for a stage deployment with no replica to reach (:func:`serve_app.stages.fail_fast`)."""
+        fail_fast(self.health, stage)
 
     async def _to_render(self, request: Request, method: RenderMethod) -> Response:
         return await self._forward(request, getattr(self.stages.render, method), request.headers.get("x-request-id"))
 
     @api.post("/v1/chat/completions/derender")
     async def derender_chat(self, request: Request) -> Response:
-        stages = self.stages
         if not self.args.has_parser:
-            return await self._forward(request, stages.chat_derender.chat)
+            return await self._forward(request, self.stages.chat_derender.chat)
         check_json_content_type(request.headers.get("content-type"))
         body = await request.body()
-        header_session = request.headers.get("x-session-id")
-        session_id = header_session or stream_id(body)
-        remote = stages.chat_derender
-        target = choose_derender(
-            has_parser=True,
-            local_parser=stages.local_parser is not None,
-            header_session=header_session,
-            stream_id=session_id,
+        # Parsed here or by ParserDerender, and here after all when it cannot answer: serve_app/stages.py.
+        parsed = await parse_chat(
+            self.stages,
+            self.health,
+            body,
+            request.headers.get("x-session-id"),
             front_door_hashes=self.front_door_hashes,
-            remote_reachable=stages.local_parser is None or not unreachable(self.health, remote),
+            timeout_s=self.args.limits.stage_timeout_s,
         )
-        if target != "remote":
-            # Local: a stream's chunks reach this replica again only if the front door hashes
-            # x-session-id or the body's stream id (config.py, colocate_in_ingress); if not, they are
-            # still right (a miss replays the carried state), only slower, and /metrics counts the misses.
-            return await self._parse_here(body, "unroutable" if target == "fallback" else None)
-        # A stream's chunks go to the replica holding its live parser: Serve's consistent-hash router
-        # keys on session_id, which the proxy only sets on the first hop, so it is re-applied here.
-        self._fail_fast(remote)
-        handle = remote.options(session_id=session_id) if session_id else remote
-        try:
-            call = handle.chat_traced.remote(body)
-            out, outcome, _ = await within(call, self.args.limits.stage_timeout_s, "ParserDerender", routable(handle))
-        except Exception as exc:
-            # No replica left to wait for, or the one holding the chunk died under it: parsed here at
-            # once (the carried state replayed, as on any replica) rather than after a replacement has
-            # imported vLLM. Without parsers in this process it stays the 503 with Retry-After.
-            reason = "replica_died" if replica_gone(exc) else "unroutable" if isinstance(exc, ServiceUnavailableError) else None
-            if stages.local_parser is None or reason is None:
-                raise
-            return await self._parse_here(body, reason)
-        self._count_session(outcome)
-        return Response(out, media_type="application/json")
-
-    async def _parse_here(self, body: bytes, fallback: str | None) -> Response:
-        """A chat derender request parsed by this replica's own parsers; ``fallback``: why a stream
-        chunk meant for ParserDerender is parsed here instead (counted in /metrics)."""
-        assert self.stages.local_parser is not None
-        out, outcome = await self.stages.local_parser.chat_with_outcome_async(body)
-        if fallback is not None:
-            metrics.parser_fallbacks.labels(fallback).inc()
-        self._count_session(outcome)
-        return Response(out, media_type="application/json")
-
-    @staticmethod
-    def _count_session(outcome: str) -> None:
-        metrics.parser_sessions.labels(outcome).inc()
-        if outcome == "miss":
+        if parsed.fallback is not None:
+            metrics.parser_fallbacks.labels(parsed.fallback).inc()
+        metrics.parser_sessions.labels(parsed.outcome).inc()
+        if parsed.outcome == "miss":
             metrics.replayed_chunks.inc()
+        return Response(parsed.body, media_type="application/json")
 
     @api.post("/v1/completions/derender")
     async def derender_completion(self, request: Request) -> Response:

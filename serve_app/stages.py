@@ -4,7 +4,8 @@ A stage named in ``colocate_in_ingress`` runs in the Ingress's process, wrapped 
 (the same ``.method.remote()`` surface as its deployment handle); the others are reached by handle.
 :func:`build_stages` builds them all, and the composed path over them
 (:func:`serve_app.compose.build_composed`), once per replica; :func:`choose_derender` picks, per chat
-derender request, which of them answers. The Ingress only routes.
+derender request, which of them answers, and :func:`parse_chat` asks it (falling back to this
+replica's parsers when ParserDerender cannot answer). The Ingress only routes.
 """
 
 from __future__ import annotations
@@ -16,13 +17,26 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
 from serve_app.compose import ComposedService, build_composed
-from serve_app.health import StageHealth, routable_replicas
+from serve_app.errors import ServiceUnavailableError
+from serve_app.health import StageHealth, replica_gone, routable, routable_replicas
+from serve_app.timeouts import within
+from serve_app.wire import stream_id
 
 if TYPE_CHECKING:
     from serve_app.config import AppArgs, ResolvedModel
     from serve_app.derender.parser_service import ParserDerenderService
 
-__all__ = ["ChatDerenderTarget", "InProcess", "IngressStages", "build_stages", "choose_derender", "unreachable"]
+__all__ = [
+    "ChatDerenderTarget",
+    "InProcess",
+    "IngressStages",
+    "ParsedChat",
+    "build_stages",
+    "choose_derender",
+    "fail_fast",
+    "parse_chat",
+    "unreachable",
+]
 
 ChatDerenderTarget = Literal["plain", "local", "remote", "fallback"]
 """Who derenders a ``/v1/chat/completions/derender`` request: plain derender (no parser configured),
@@ -77,6 +91,12 @@ def unreachable(health: StageHealth, stage: Any) -> bool:
         return False
     health.refresh_soon()
     return health.down(name) or routable_replicas(stage) == 0
+
+
+def fail_fast(health: StageHealth, stage: Any) -> None:
+    """A 503 now for a stage deployment with no replica to reach (see :func:`unreachable`)."""
+    if unreachable(health, stage):
+        raise ServiceUnavailableError(f"{stage.deployment_name} has no running replica; retry later.")
 
 
 class InProcess:
@@ -164,3 +184,70 @@ async def build_stages(
         engine=engine,
         composed=composed,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedChat:
+    """A chat derender answer through the parsers, and what the Ingress counts of it."""
+
+    body: bytes
+    """The response JSON bytes."""
+    outcome: str
+    """The session cache's outcome (:data:`serve_app.derender.parser_service.SessionOutcome`)."""
+    fallback: str | None
+    """Why a stream chunk meant for ParserDerender was parsed here instead
+    (:data:`serve_app.metrics.PARSER_FALLBACK_REASONS`); ``None`` if it was not."""
+
+
+async def parse_chat(
+    stages: IngressStages,
+    health: StageHealth,
+    body: bytes,
+    header_session: str | None,
+    *,
+    front_door_hashes: bool,
+    timeout_s: float | None,
+) -> ParsedChat:
+    """One chat derender request with a parser configured, answered where :func:`choose_derender`
+    says: this replica's parsers or ParserDerender by handle (within ``timeout_s``), and here after
+    all if ParserDerender's replica died under the call or none is left to route to.
+
+    Raises the stage's error (a 400 as vLLM's), or 503/504 when ParserDerender cannot answer and
+    this replica holds no parsers."""
+    session_id = header_session or stream_id(body)
+    remote = stages.chat_derender
+    target = choose_derender(
+        has_parser=True,
+        local_parser=stages.local_parser is not None,
+        header_session=header_session,
+        stream_id=session_id,
+        front_door_hashes=front_door_hashes,
+        remote_reachable=stages.local_parser is None or not unreachable(health, remote),
+    )
+    if target != "remote":
+        # Local: a stream's chunks reach this replica again only if the front door hashes
+        # x-session-id or the body's stream id (config.py, colocate_in_ingress); if not, they are
+        # still right (a miss replays the carried state), only slower, and /metrics counts the misses.
+        return await _parse_here(stages, body, "unroutable" if target == "fallback" else None)
+    # A stream's chunks go to the replica holding its live parser: Serve's consistent-hash router
+    # keys on session_id, which the proxy only sets on the first hop, so it is re-applied here.
+    fail_fast(health, remote)
+    handle = remote.options(session_id=session_id) if session_id else remote
+    try:
+        call = handle.chat_traced.remote(body)
+        out, outcome, _ = await within(call, timeout_s, "ParserDerender", routable(handle))
+    except Exception as exc:
+        # No replica left to wait for, or the one holding the chunk died under it: parsed here at
+        # once (the carried state replayed, as on any replica) rather than after a replacement has
+        # imported vLLM. Without parsers in this process it stays the 503 with Retry-After.
+        reason = "replica_died" if replica_gone(exc) else "unroutable" if isinstance(exc, ServiceUnavailableError) else None
+        if stages.local_parser is None or reason is None:
+            raise
+        return await _parse_here(stages, body, reason)
+    return ParsedChat(out, outcome, None)
+
+
+async def _parse_here(stages: IngressStages, body: bytes, fallback: str | None) -> ParsedChat:
+    assert stages.local_parser is not None
+    out, outcome = await stages.local_parser.chat_with_outcome_async(body)
+    return ParsedChat(out, outcome, fallback)

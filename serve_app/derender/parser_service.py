@@ -156,11 +156,13 @@ class ParserDerenderService:
             if output_work(gen, _PARSER_CHOICE_WORK) >= OFFLOAD_WORK:
                 return await run(self._chat_data, data)
             return self._chat_data(data)
-        request = validate_model(_CHAT, data)
-        if not isinstance(request, DerenderChatStreamRequest):  # not reached: stream is a Literal[True]
-            return self._chat_data(data)
-        with self._vllm_400(data):
-            opened = self._open_chunk(request, data.get("chat_request"))
+        opened = self._open_hit(data)  # most chunks: a live stream's, its carried lists not validated again
+        if opened is None:
+            request = validate_model(_CHAT, data)
+            if not isinstance(request, DerenderChatStreamRequest):  # not reached: stream is a Literal[True]
+                return self._chat_data(data)
+            with self._vllm_400(data):
+                opened = self._open_chunk(request, data.get("chat_request"))
         work = opened.replay_tokens * _REPLAY_COST + output_work(data.get("generate_chunk"), _PARSER_CHOICE_WORK)
         if work >= OFFLOAD_WORK:
             chunk, state, outcome = await run(self._answer_chunk, opened)
@@ -210,22 +212,8 @@ class ParserDerenderService:
 
     def _open_chunk(self, request: DerenderChatStreamRequest, raw_chat_request: Any) -> _OpenChunk:
         """A chunk's cheap part: its checks, its request configuration and its session lookup."""
-        model = self.model.model_name(request.model)
-        if request.chat_request is None:
-            raise BadRequestError(_CHAT_REQUEST_REQUIRED)
-        if request.prompt_token_ids is None:
-            raise BadRequestError(
-                "prompt_token_ids is required when a tool or reasoning parser is configured. Without it "
-                "parse_delta cannot tell whether the prompt left reasoning open (e.g. a chat template that "
-                "pre-opens <think>) and would misclassify reasoning content as plain content."
-            )
+        model, config, prompt_ids, state = self._checked_chunk(request, raw_chat_request)
         chunk = request.generate_chunk
-        state = request.stream_state or DerenderStreamState()
-        prompt_ids = request.prompt_token_ids
-        check_stream_chunk(chunk, len(prompt_ids), len(state.output_token_ids), self.model.limits)
-        if request.stream_state is not None:  # the window passes through this path; it must still add up
-            check_stream_window(state, self.model.tok)
-        config = self.request_config(raw_chat_request if raw_chat_request is not None else request.chat_request)
         if not chunk.choices:  # usage-only: no text to parse, nothing to replay ...
             session = None
             replay = False
@@ -246,6 +234,68 @@ class ParserDerenderService:
             if outcome == "miss":
                 self.sessions.count_miss(len(state.output_token_ids))
         return _OpenChunk(request, config, model, prompt_ids, state, session, session is None, stream_key, outcome)
+
+    def _checked_chunk(
+        self, request: DerenderChatStreamRequest, raw_chat_request: Any
+    ) -> tuple[str, RequestConfig, list[int], DerenderStreamState]:
+        """A chunk's checks, in vLLM's order; its model name, request configuration, prompt and carried state."""
+        model = self.model.model_name(request.model)
+        if request.chat_request is None:
+            raise BadRequestError(_CHAT_REQUEST_REQUIRED)
+        if request.prompt_token_ids is None:
+            raise BadRequestError(
+                "prompt_token_ids is required when a tool or reasoning parser is configured. Without it "
+                "parse_delta cannot tell whether the prompt left reasoning open (e.g. a chat template that "
+                "pre-opens <think>) and would misclassify reasoning content as plain content."
+            )
+        chunk = request.generate_chunk
+        state = request.stream_state or DerenderStreamState()
+        prompt_ids = request.prompt_token_ids
+        check_stream_chunk(chunk, len(prompt_ids), len(state.output_token_ids), self.model.limits)
+        if request.stream_state is not None:  # the window passes through this path; it must still add up
+            check_stream_window(state, self.model.tok)
+        config = self.request_config(raw_chat_request if raw_chat_request is not None else request.chat_request)
+        return model, config, prompt_ids, state
+
+    def _open_hit(self, data: dict[str, Any]) -> _OpenChunk | None:
+        """A stream chunk whose live session is here, opened without validating the carried output
+        lists, the O(history) part of a chunk's validation; ``None`` for any other chunk.
+
+        On a hit they equal, item for item, the lists of the session that parsed them, which hold
+        only valid ids and chunk lengths adding up, so their validation could only pass (and would
+        only turn equal floats or bools into those ints, which a hit never reads: it continues from
+        the session's lists). Everything else is validated and checked as in :meth:`_open_chunk`.
+        Nothing is answered or changed here unless it is a hit: a miss, a new stream or a request
+        that fails anything takes the full path, which answers (and words every 400) as ever.
+        """
+        carried = data.get("stream_state")
+        if not isinstance(carried, dict):
+            return None
+        ids, lens = carried.get("output_token_ids"), carried.get("output_chunk_lens")
+        if not (isinstance(ids, list) and isinstance(lens, list) and ids):
+            return None
+        unlisted = {**data, "stream_state": {**carried, "output_token_ids": [], "output_chunk_lens": []}}
+        try:
+            request = _CHAT.validate_python(unlisted, from_attributes=True)
+            if not isinstance(request, DerenderChatStreamRequest) or request.stream_state is None or not request.generate_chunk.choices:
+                return None
+            request.stream_state.output_token_ids, request.stream_state.output_chunk_lens = ids, lens
+            model, config, prompt_ids, state = self._checked_chunk(request, data.get("chat_request"))
+        except Exception:  # its answer is the full path's
+            return None
+        chunk = request.generate_chunk
+        stream_key = (chunk.request_id, chunk.choices[0].index)
+        prompt = prompt_key(prompt_ids)
+        key = state_key(config, prompt, stream_key, dict(state))
+        # Looked at first and taken only if it is this stream's: anything else is the full path's to find.
+        peeked = self.sessions.peek(key)
+        if peeked is None or not peeked.matches(prompt, state):
+            return None
+        session = self.sessions.take(key)
+        if session is not peeked and (session is None or not session.matches(prompt, state)):
+            return None  # another thread took it meanwhile: the full path misses, as it would have
+        self.sessions.count_hit()
+        return _OpenChunk(request, config, model, prompt_ids, state, session, False, stream_key, "hit")
 
     def _answer_chunk(self, opened: _OpenChunk) -> tuple[dict[str, Any], dict[str, Any], SessionOutcome]:
         """A chunk's parsing, after :meth:`_open_chunk`: the replay a miss needs (O(history)), the

@@ -9,6 +9,7 @@ the same ``chat_request``, skip the validation.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,7 +78,9 @@ class RequestConfigs:
         key = blake2b(json.dumps(raw, sort_keys=True, default=str).encode(), digest_size=16).digest()
         config = self._cache.get(key)
         if config is None:
-            config = self._build(raw, key)
+            # vLLM's validators fill in the dict they are given (tool_choice "auto", keys dropped): a
+            # copy, so that the caller's request, and the key its next lookup computes, stay as sent.
+            config = self._build(copy.deepcopy(raw) if raw is chat_request else raw, key)
             self._cache.put(key, config, config.size)
         return config
 

@@ -117,6 +117,14 @@ class SessionCache(Generic[T]):
                 return None
             return session
 
+    def peek(self, key: bytes) -> T | None:
+        """The session filed under ``key``, if any and not expired, left in the cache as it is."""
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None or time.monotonic() - entry[0] > self.ttl_s:
+            return None
+        return entry[2]
+
     def get(self, key: bytes) -> T | None:
         """The entry filed under ``key``, left in the cache as its most recently used, if any and not expired."""
         with self._lock:

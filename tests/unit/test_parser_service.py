@@ -178,6 +178,58 @@ class TestSessionCache:
         _, outcome = service.chat_with_outcome(_chunk(prompt, output[30:31], forged))
         assert outcome == "miss"
 
+    @pytest.mark.parametrize(
+        "tamper",
+        [
+            lambda s: {**s, "output_token_ids": [-1] + s["output_token_ids"][1:]},  # not a token id
+            lambda s: {**s, "output_chunk_lens": [0, 2] + s["output_chunk_lens"][2:]},  # a chunk of none, sum intact
+            lambda s: {**s, "output_chunk_lens": [2] + s["output_chunk_lens"][1:]},  # sum off by one
+        ],
+    )
+    @pytest.mark.parametrize("two_choices", [False, True])
+    def test_a_live_streams_chunk_with_bad_carried_lists_is_the_full_validations_400(self, service, ids, tamper, two_choices):
+        """A hit skips validating the carried output lists (the session's equal ones prove them):
+        lists of the right length and tail that do not equal them get what the whole validation
+        answers, before any later check (two choices), and the stream's session stays for its
+        next, correct, chunk."""
+        from pydantic import TypeAdapter
+
+        from serve_app.protocol import DerenderChatRequestUnion
+        from serve_app.wire import validate_model
+
+        prompt, output = ids
+        _, _, state = _stream(service, prompt, output[:30], finish=False)
+        body = _chunk(prompt, output[30:31], tamper(state))
+        if two_choices:
+            choices = body["generate_chunk"]["choices"]
+            choices.append({**choices[0], "index": 1})
+        with pytest.raises(ApiError) as want:
+            validate_model(TypeAdapter(DerenderChatRequestUnion), body)
+        with pytest.raises(ApiError) as got:
+            service.chat_with_outcome(body)
+        assert (got.value.status_code, got.value.message, got.value.param) == (400, want.value.message, want.value.param)
+        assert service.chat_with_outcome(_chunk(prompt, output[30:31], state))[1] == "hit"
+
+    @pytest.mark.parametrize(
+        "loosen",
+        [
+            lambda s: {**s, "output_token_ids": [float(t) for t in s["output_token_ids"]]},
+            lambda s: {**s, "output_token_ids": [float(t) for t in s["output_token_ids"][:10]] + s["output_token_ids"][10:]},
+            lambda s: {**s, "output_token_ids": [str(t) for t in s["output_token_ids"]]},
+            lambda s: {**s, "output_chunk_lens": [True for _ in s["output_chunk_lens"]]},  # one-token chunks
+        ],
+    )
+    def test_carried_lists_pydantic_takes_as_ints_still_hit(self, service, ids, loosen):
+        """Ids as floats, strings or bools validate as today (pydantic's lax ints), so the stream still
+        meets its session and carries ints on (floats before the tail: equal to the session's ids,
+        a hit without validating them)."""
+        prompt, output = ids
+        _, _, state = _stream(service, prompt, output[:30], finish=False)
+        out, outcome = service.chat_with_outcome(_chunk(prompt, output[30:31], loosen(state)))
+        after = json.loads(out)["stream_state"]
+        assert outcome == "hit" and after["output_token_ids"] == output[:31] and after["output_chunk_lens"] == [1] * 31
+        assert all(type(t) is int for t in after["output_token_ids"] + after["output_chunk_lens"])
+
     def test_usage_only_chunk_needs_no_parser(self, service, ids):
         prompt, output = ids
         _, _, state = _stream(service, prompt, output)
@@ -311,6 +363,18 @@ def test_request_cache_is_bounded_in_bytes_and_keeps_no_conversation(service, id
     assert held < 200_000  # not one request's conversation is left (each is 1 MB)
     for config in configs:  # the parsers' view of the conversation is kept: the tool calls it made
         assert count_history_tool_calls(config.request) == 2 and len(config.request.messages) == 1
+
+
+def test_a_request_configuration_leaves_the_callers_chat_request_as_sent(service):
+    """vLLM's validation fills in ``tool_choice``; done on the caller's dict, a stream's next chunk
+    sharing it would look its configuration (and so its session) up under another key."""
+    import copy
+
+    chat_request = {**copy.deepcopy(CHAT_REQUEST), "messages": [{"role": "user", "content": "as sent"}]}
+    sent = copy.deepcopy(chat_request)
+    first = service.request_config(chat_request)
+    assert chat_request == sent and "tool_choice" not in chat_request
+    assert service.request_config(chat_request) is first
 
 
 def test_request_cache_is_exact_when_two_threads_fill_it(service):

@@ -73,6 +73,23 @@ def test_get_leaves_the_entry_and_makes_it_most_recently_used(monkeypatch):
     assert cache.get(b"a") is None and cache.stats.expirations == 1 and cache.tokens == 10
 
 
+def test_peek_changes_nothing(monkeypatch):
+    """The parser service looks a session up with ``peek`` before it knows the chunk is the session's
+    (serve_app/derender/parser_service.py ``_open_hit``): order, clock, counts and an expired entry
+    stay for ``take`` to deal with."""
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    cache: SessionCache[int] = SessionCache(max_sessions=2, ttl_s=5, max_tokens=100)
+    cache.put(b"a", 1, tokens=10)
+    cache.put(b"b", 2, tokens=10)
+    assert cache.peek(b"a") == 1 and cache.peek(b"missing") is None
+    cache.put(b"c", 3, tokens=10)  # a was only peeked at: still the least recently used, evicted
+    assert cache.values() == [2, 3]
+    now[0] += 6
+    assert cache.peek(b"b") is None and len(cache) == 2 and cache.stats.expirations == 0
+    assert cache.take(b"b") is None and cache.stats.expirations == 1
+
+
 def test_zero_sessions_turns_the_cache_off():
     cache: SessionCache[int] = SessionCache(max_sessions=0, ttl_s=5, max_tokens=100)
     cache.put(b"k", 1, tokens=1)

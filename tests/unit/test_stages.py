@@ -1,6 +1,7 @@
 """``serve_app.stages``: where each stage of an Ingress replica runs, decided once, and where a chat
-derender request goes. The stage services are real (qwen3-tiny's plain derender); the deployment
-handles are stand-ins, as Ray is not running here (tests/integration/test_colocation.py runs them)."""
+derender request goes. The stage services are real (qwen3-tiny's plain derender and parsers); the
+deployment handles are stand-ins raising Ray's own exception classes, as Ray is not running here
+(tests/integration/test_colocation.py and test_parser_fallback.py run them)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from serve_app.compose import ComposedService
 from serve_app.config import AppArgs
 from serve_app.derender.plain_service import PlainDerenderService
+from serve_app.errors import BadRequestError, ServiceUnavailableError
 from serve_app.health import DeploymentHealth, StageHealth
 from serve_app.stages import InProcess, build_stages, choose_derender, unreachable
 
@@ -100,3 +103,112 @@ def test_without_a_parser_chat_derender_is_plain_and_the_composed_path_reuses_a_
         assert isinstance(stages.plain_derender, InProcess) and stages.plain_derender.service is composed.completion_derender
     else:
         assert stages.plain_derender is h["PlainDerender"]
+
+
+class ParserReplicas(Handle):
+    """A stand-in ParserDerender handle: records the routing session of each call, then answers
+    ``answer`` or raises ``error`` (Ray's own exception class for a dead replica)."""
+
+    def __init__(self, answer: tuple[bytes, str, str] | None = None, error: Exception | None = None) -> None:
+        super().__init__(deployment_name="ParserDerender")
+        self.answer, self.error, self.sessions = answer, error, []
+        self.session: str | None = None
+        self.chat_traced = SimpleNamespace(remote=self._call)
+
+    def options(self, **kw: Any) -> ParserReplicas:
+        self.session = kw.get("session_id")
+        return self
+
+    async def _call(self, body: bytes) -> tuple[bytes, str, str]:
+        self.sessions.append(self.session)
+        if self.error is not None:
+            raise self.error
+        assert self.answer is not None
+        return self.answer
+
+
+def _chunk_body(rid: str) -> bytes:
+    import json
+
+    return json.dumps(
+        {
+            "stream": True,
+            "generate_chunk": {"request_id": rid, "choices": [{"index": 0, "token_ids": [9707], "finish_reason": None}]},
+            "chat_request": {"messages": [{"role": "user", "content": "x"}]},
+            "prompt_token_ids": [1, 2],
+        }
+    ).encode()
+
+
+@pytest.fixture(scope="module")
+def parser_stages() -> Any:
+    """An Ingress replica's stages with its own parsers (real: qwen3-tiny, hermes + qwen3)."""
+    args = AppArgs(model="qwen3-tiny", colocate_in_ingress=["parser_derender"], **PARSERS)
+    h = _handles()
+    return asyncio.run(build_stages(args, args.resolve(), h["Render"], h["PlainDerender"], h["ParserDerender"], None))
+
+
+def _parse(stages: Any, remote: ParserReplicas, body: bytes, header: str | None = None, hashes: bool = False, local: bool = True) -> Any:
+    from dataclasses import replace
+
+    from serve_app.stages import parse_chat
+
+    async def run() -> Any:
+        health = StageHealth("app", _Controller({"ParserDerender": DeploymentHealth("HEALTHY", 1)}), ttl_s=60)
+        await health.refresh()
+        with_remote = replace(stages, chat_derender=remote, parser_derender=remote, local_parser=stages.local_parser if local else None)
+        return await parse_chat(with_remote, health, body, header, front_door_hashes=hashes, timeout_s=5)
+
+    return asyncio.run(run())
+
+
+def _answer(body: bytes) -> dict[str, Any]:
+    import json
+
+    out = json.loads(body)
+    out["chunk"]["created"] = None
+    return out
+
+
+def test_parse_chat_sends_a_stream_chunk_to_parser_derender_keyed_on_its_stream(parser_stages: Any) -> None:
+    remote = ParserReplicas(answer=(b"{}", "hit", "replica-1"))
+    parsed = _parse(parser_stages, remote, _chunk_body("s-1"))
+    assert (parsed.body, parsed.outcome, parsed.fallback) == (b"{}", "hit", None) and remote.sessions == ["s-1"]
+
+
+def test_parse_chat_parses_here_what_the_front_door_keeps_here(parser_stages: Any) -> None:
+    remote = ParserReplicas(answer=(b"{}", "hit", "replica-1"))
+    with_header = _parse(parser_stages, remote, _chunk_body("s-1"), header="s-1")
+    hashed = _parse(parser_stages, remote, _chunk_body("s-1"), hashes=True)
+    assert remote.sessions == []
+    for parsed in (with_header, hashed):
+        assert parsed.outcome == "new" and parsed.fallback is None and b'"stream_state"' in parsed.body
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (ActorDiedError(), "replica_died"),
+        (ActorUnavailableError("gone", None), "replica_died"),
+        (ServiceUnavailableError("x"), "unroutable"),
+    ],
+)
+def test_parse_chat_parses_here_when_parser_derender_cannot_answer(parser_stages: Any, error: Exception, reason: str) -> None:
+    here = _parse(parser_stages, ParserReplicas(answer=(b"{}", "hit", "r")), _chunk_body("s-1"), header="s-1")
+    remote = ParserReplicas(error=error)
+    parsed = _parse(parser_stages, remote, _chunk_body("s-1"))
+    assert remote.sessions == ["s-1"]  # it was asked first
+    assert (parsed.outcome, parsed.fallback) == ("new", reason) and _answer(parsed.body) == _answer(here.body)
+
+
+def test_parse_chat_passes_on_any_other_error_of_parser_derender(parser_stages: Any) -> None:
+    with pytest.raises(BadRequestError):
+        _parse(parser_stages, ParserReplicas(error=BadRequestError("bad chunk")), _chunk_body("s-1"))
+
+
+@pytest.mark.parametrize("error", [ActorDiedError(), ServiceUnavailableError("x")])
+def test_without_parsers_here_parse_chat_passes_on_what_parser_derender_raised(parser_stages: Any, error: Exception) -> None:
+    remote = ParserReplicas(error=error)
+    with pytest.raises(type(error)):
+        _parse(parser_stages, remote, _chunk_body("s-1"), header="s-1", local=False)
+    assert remote.sessions == ["s-1"]
