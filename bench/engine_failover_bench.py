@@ -50,6 +50,7 @@ def _round(base: str, tok: Any, per_kind: int, sentences: int) -> dict[str, Any]
     assert victim is not None
     since = time.time()
     runs, killed_at = fault_run(base, tok, victim, per_kind, sentences)
+    assert killed_at is not None  # a pid, not a chooser: always killed
     new_running = {rid for rid, (state, _) in engine_replicas().items() if state == "RUNNING"} - set(running)
     time.sleep(3)  # the Ingress's log lines reach its log file
     retried = retried_request_ids(since)

@@ -28,7 +28,7 @@ __all__ = [
     "KINDS",
     "Run",
     "app_config",
-    "busiest_engine",
+    "engine_load",
     "engine_replicas",
     "fault_run",
     "request",
@@ -81,10 +81,9 @@ def engine_replicas() -> dict[str, tuple[str, int | None]]:
     return {r["replica_id"]: (str(getattr(r["state"], "value", r["state"])), r.get("pid")) for r in _engine_replica_details()}
 
 
-def busiest_engine() -> tuple[str, int]:
-    """``(replica id, pid)`` of the RUNNING Engine replica with the most requests in flight, each asked
-    directly (the queue-length probe Serve's router uses, which user code cannot block): the replica
-    a kill now is sure to find busy, wherever the router happened to send the requests."""
+def engine_load() -> dict[str, tuple[int, int]]:
+    """``{replica id: (requests in flight, pid)}`` of the RUNNING Engine replicas, each asked directly
+    (the queue-length probe Serve's router uses, which user code cannot block)."""
     import ray
     from ray.serve._private.constants import SERVE_NAMESPACE
 
@@ -93,8 +92,7 @@ def busiest_engine() -> tuple[str, int]:
         if str(getattr(r["state"], "value", r["state"])) == "RUNNING" and r.get("pid"):
             actor = ray.get_actor(r["actor_name"], namespace=SERVE_NAMESPACE)
             load[r["replica_id"]] = (ray.get(actor.get_num_ongoing_requests.remote(), timeout=30), r["pid"])
-    replica_id = max(load, key=lambda rid: load[rid][0])
-    return replica_id, load[replica_id][1]
+    return load
 
 
 def wait_engines(n: int, dead: set[str] | frozenset[str] = frozenset(), timeout_s: float = 900) -> dict[str, int | None]:
@@ -203,15 +201,22 @@ def run_request(base: str, kind: str, body: dict[str, Any], path: str, on_frame:
         return run
 
 
+Victim = Callable[[dict[str, int], dict[str, tuple[int, int]]], "int | None"]
+
+
 def fault_run(
-    base: str, tok: Any, victim_pid: int | Callable[[], int], per_kind: int = 3, sentences: int = 16, frames_before_kill: int = 3
-) -> tuple[list[Run], float]:
-    """``per_kind`` requests of every kind at once; once every stream has ``frames_before_kill``
-    frames (the engines are generating, the whole requests with them), SIGKILL ``victim_pid`` (or
-    the pid it returns, asked then). A cut stream is retried once, at once. Returns the runs and the
-    moment of the kill (``time.monotonic``)."""
+    base: str, tok: Any, victim_pid: int | Victim, per_kind: int = 3, sentences: int = 16, frames_before_kill: int = 3
+) -> tuple[list[Run], float | None]:
+    """``per_kind`` requests of every kind; once every stream has ``frames_before_kill`` frames (the
+    engines are generating, the whole requests with them), SIGKILL ``victim_pid``. The whole requests
+    go first, and once the engines hold them all, which replica holds how many is noted; a callable
+    ``victim_pid(whole_held, load)`` is then asked, when the streams run, for the pid to kill, with
+    ``load`` from :func:`engine_load`; it may answer None (no replica holds what the caller needs
+    killed), and nothing is killed. A cut stream is retried once, at once. Returns the runs and the
+    moment of the kill (``time.monotonic``), None when nothing was killed."""
     jobs = [(kind, *request(kind, tok, sentences)) for kind in KINDS for _ in range(per_kind)]
-    streams = sum(1 for _, _, body in jobs if body["stream"])
+    whole_jobs = [job for job in jobs if not job[2]["stream"]]
+    stream_jobs = [job for job in jobs if job[2]["stream"]]
     generating = threading.Semaphore(0)
 
     def on_frame(n: int) -> None:
@@ -225,15 +230,31 @@ def fault_run(
         return run
 
     with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = [pool.submit(one, *job) for job in jobs]
-        for _ in range(streams):
+        futures = [pool.submit(one, *job) for job in whole_jobs]
+        whole_held = _held_once_in_flight(len(whole_jobs), futures)
+        futures += [pool.submit(one, *job) for job in stream_jobs]
+        for _ in stream_jobs:
             if not generating.acquire(timeout=300):
                 raise AssertionError("the streams never started generating")
-        pid = victim_pid() if callable(victim_pid) else victim_pid
-        killed_at = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
+        pid = victim_pid(whole_held, engine_load()) if callable(victim_pid) else victim_pid
+        killed_at = None
+        if pid is not None:
+            killed_at = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
         runs = [f.result() for f in futures]
     return runs, killed_at
+
+
+def _held_once_in_flight(n: int, futures: list[Any], timeout_s: float = 300) -> dict[str, int]:
+    """``{replica id: requests in flight}`` once the engines hold ``n`` in all."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = {rid: ongoing for rid, (ongoing, _) in engine_load().items()}
+        if sum(held.values()) >= n:
+            return held
+        if time.monotonic() > deadline or any(f.done() for f in futures):
+            raise AssertionError(f"the engines never held the {n} whole requests at once: {held}")
+        time.sleep(0.05)
 
 
 def retried_request_ids(since: float) -> set[str]:

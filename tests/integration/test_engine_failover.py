@@ -23,7 +23,6 @@ from tests.harness.failover import (
     APP,
     KINDS,
     app_config,
-    busiest_engine,
     engine_replicas,
     fault_run,
     request,
@@ -31,6 +30,8 @@ from tests.harness.failover import (
     run_request,
     wait_engines,
 )
+
+ROUNDS = 3  # fault rounds at most, until one finds a replica holding both kinds of request
 
 
 def _running() -> dict[str, int | None]:
@@ -65,15 +66,24 @@ def test_a_killed_engine_replica_costs_composed_requests_one_retry_on_the_other(
     assert clean["chat"]["text"] == clean["chat_stream"]["text"] and clean["completion"]["text"] == clean["completion_stream"]["text"]
     before = _running()
     assert len(before) == 2 and all(before.values())
-    since = time.time()
     victims: list[str] = []
 
-    def busiest() -> int:  # chosen while the requests run: the router may have sent them all to one replica
-        replica_id, pid = busiest_engine()
+    def holding_both(whole_held: dict[str, int], load: dict[str, tuple[int, int]]) -> int | None:
+        # The replica holding whole requests and streams, if one does: the router may have sent
+        # either kind all to one replica, and then there is nothing to observe; the round is run again.
+        streams_held = {rid: ongoing - whole_held.get(rid, 0) for rid, (ongoing, _) in load.items()}
+        replica_id = max(load, key=lambda rid: min(whole_held.get(rid, 0), streams_held[rid]))
+        if min(whole_held.get(replica_id, 0), streams_held[replica_id]) <= 0:
+            return None
         victims.append(replica_id)
-        return pid
+        return load[replica_id][1]
 
-    runs, _ = fault_run(app, tok, busiest)
+    for _ in range(ROUNDS):
+        since = time.time()
+        runs, killed_at = fault_run(app, tok, holding_both)
+        if killed_at is not None:
+            break
+    assert victims, f"in {ROUNDS} rounds no Engine replica held both whole requests and streams at once"
     (victim_id,) = victims
 
     # All of it finished before the replacement replica was RUNNING: nothing waited for the restart.
