@@ -284,11 +284,12 @@ def render_report(data: dict[str, Any]) -> str:
         "",
         "## CPU ms per output token, by process",
         "",
-        "From `/proc/<pid>/stat` over each case. *vllm api* / *vllm engine-core*: coupled `vllm serve`'s two processes; "
-        "*Engine* is our engine replica (AsyncLLM's front end, Serve), *engine-core* its EngineCore; *client* is "
-        "`vllm bench serve`; *other* is the rest of the machine (noise). Each case's window includes the client's "
-        "start-up (~20-30 s of imports on this box) and warm-up requests, during which both servers idle but ours' Ray "
-        "processes still run Serve's metrics export loops (every 100 ms, `RAY_SERVE_METRICS_EXPORT_INTERVAL_MS`): at c=1 "
+        "From `/proc/<pid>/stat` over each case. *vllm api* / *vllm engine-core*: coupled `vllm serve`'s API "
+        "server / its EngineCore and model worker; *Engine* is our engine replica (AsyncLLM's front end, Serve), "
+        "*engine-core* its EngineCore and the model worker under it; *client* is `vllm bench serve`; *other* is the "
+        "rest of the machine (noise). Each case's window includes the client's start-up (~20-30 s of imports on this "
+        "box) and warm-up requests, during which both servers idle but ours' Ray processes still run Serve's metrics "
+        "export loops (`RAY_SERVE_METRICS_EXPORT_INTERVAL_MS`, 1 s in `make run`'s environment): at c=1 "
         "(few tokens) the per-token figures are mostly that idle cost; c=64 is the one to read.",
         "",
         "| system | c | " + " | ".join(keep) + " | serving tier (vLLM: its API server; ours: all Ray processes but the EngineCore) |",

