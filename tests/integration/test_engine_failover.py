@@ -71,9 +71,10 @@ def test_a_killed_engine_replica_costs_composed_requests_one_retry_on_the_other(
     def holding_both(whole_held: dict[str, int], load: dict[str, tuple[int, int]]) -> int | None:
         # The replica holding whole requests and streams, if one does: the router may have sent
         # either kind all to one replica, and then there is nothing to observe; the round is run again.
-        streams_held = {rid: ongoing - whole_held.get(rid, 0) for rid, (ongoing, _) in load.items()}
-        replica_id = max(load, key=lambda rid: min(whole_held.get(rid, 0), streams_held[rid]))
-        if min(whole_held.get(replica_id, 0), streams_held[replica_id]) <= 0:
+        # Per replica, the fewer of its whole requests and its streams (ongoing now less the whole ones).
+        both = {rid: min(whole_held.get(rid, 0), ongoing - whole_held.get(rid, 0)) for rid, (ongoing, _) in load.items()}
+        replica_id = max(both, key=both.__getitem__)
+        if both[replica_id] <= 0:
             return None
         victims.append(replica_id)
         return load[replica_id][1]
