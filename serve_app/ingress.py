@@ -156,6 +156,7 @@ class Ingress:
         self._replica = serve.get_replica_context()
         self._peers: Any = None  # this deployment's own handle, made at the first scrape (see /metrics)
         self._created = int(time.time())
+        engine = self.stages.engine
         self._engine_sse: Any = engine.options(stream=True, method_name="generate_sse") if engine is not None else None
         self._background: set[asyncio.Task] = set()
         freeze_startup_heap()

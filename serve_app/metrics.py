@@ -261,7 +261,15 @@ class MetricsMiddleware:
 
         async def receive_wrapper() -> dict[str, Any]:
             nonlocal disconnected
-            message = await receive()
+            try:
+                message = await receive()
+            except Exception as exc:
+                # Ray 2.60's receive raises its call to the proxy's TaskCancelledError when the client
+                # left mid-stream (Serve turns only a KeyError into http.disconnect): it is one, for
+                # every layer below too; else the stream the client left ends as a 500.
+                if type(exc).__name__ != "TaskCancelledError":
+                    raise
+                message = {"type": "http.disconnect"}
             disconnected = disconnected or message["type"] == "http.disconnect"
             return message
 

@@ -138,6 +138,19 @@ class IngressStages:
     """The composed OpenAI API (``/v1/chat/completions``, ``/v1/completions``); ``None`` without an engine."""
 
 
+def with_cluster_transport(handle: Any | None) -> Any | None:
+    """``handle`` over the transport this cluster's Serve settings pick, read here in the replica:
+    Serve's gRPC under make run's ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` (less CPU per streamed token,
+    bench/results/composed.md), else Ray actor calls. A handle's default is fixed in the process that
+    built the app, which for a driver's ``serve.run`` (a bench, a user's script) is not the cluster's.
+    Messages between our replicas have no size cap either way (:data:`serve_app.app.REPLICA_ENV`)."""
+    if handle is None or getattr(handle, "deployment_name", None) is None:
+        return handle
+    from ray.serve._private.constants import RAY_SERVE_USE_GRPC_BY_DEFAULT  # no public accessor in Ray 2.60
+
+    return handle.options(_by_reference=not RAY_SERVE_USE_GRPC_BY_DEFAULT)
+
+
 async def build_stages(
     args: AppArgs,
     model: ResolvedModel,
@@ -152,6 +165,9 @@ async def build_stages(
     whose derender always runs here (one Serve hop per token). ``health``: the replica's view of the
     deployments, for the composed path's fast 503 when no engine replica can be reached."""
     colocated = set(args.colocate_in_ingress)
+    plain_derender, parser_derender = with_cluster_transport(plain_derender), with_cluster_transport(parser_derender)
+    engine = with_cluster_transport(engine)
+    render = with_cluster_transport(render) if "render" not in colocated else render
     render_state = None
     if "render" in colocated:
         from serve_app.render import RenderService

@@ -260,3 +260,52 @@ def test_slow_clients_are_answered_and_closed_not_held(served):
     assert (error["type"], error["code"]) == ("RequestTimeoutError", 408)
     assert _status(headers_answer) == 408 and _status(silent_answer) == 408
     assert httpx.get(f"{URL}/health", timeout=10).status_code == 200
+
+
+# --- the composed API as make run serves it: the Ingress reaches the Engine over Serve's gRPC ---
+
+
+def _metric(name: str) -> float:
+    """One unlabelled-sum series of the app's /metrics (the Engine's vLLM series, asked at the scrape)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{URL}/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def test_a_composed_stream_the_client_leaves_is_aborted_in_the_engine(served):
+    """Under make run's Serve settings (user code on the replica's loop, the router on it too, gRPC between
+    replicas): a composed stream runs to [DONE]; one whose client hangs up is aborted in the engine,
+    which then generated far fewer than the max_tokens it would have run to."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(base_url=URL, timeout=120) as c:
+        deadline = time.monotonic() + 120
+        # The Ingress's router may learn of the Engine replica after /ready said RUNNING: a 503 until then.
+        while (r := c.post("/v1/chat/completions", json={**chat, "max_tokens": 8, "stream": True})).status_code == 503:
+            assert time.monotonic() < deadline and r.headers["retry-after"], r.text
+            time.sleep(1)
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text
+        before = _metric("vllm:generation_tokens_total")
+        with c.stream("POST", "/v1/chat/completions", json={**chat, "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:
+            events = (line for line in r.iter_lines() if line.startswith("data: "))
+            for _ in range(5):
+                next(events)
+            assert _metric("vllm:num_requests_running") == 1
+        deadline = time.monotonic() + 120  # a hang guard: an unaborted request runs all its 3000 tokens
+        while _metric("vllm:num_requests_running") != 0:
+            assert time.monotonic() < deadline, "the engine still runs the stream the client left"
+            time.sleep(0.2)
+        added = _metric("vllm:generation_tokens_total") - before
+        assert 5 <= added < 3000, added
+
+
+def test_a_body_over_grpcs_default_message_cap_gets_the_engines_answer(served):
+    """Under make run's settings the Ingress calls the Engine over Serve's gRPC, which caps a message at
+    4 MiB unless the replicas say otherwise (serve_app.app.REPLICA_ENV): a 5 MiB generate body, under
+    limits.max_body_bytes, gets the engine's own 400, not gRPC's RESOURCE_EXHAUSTED as a 500."""
+    ids = [9707] * ((5 << 20) // 5)
+    assert len(json.dumps(ids)) > 5 << 20
+    r = httpx.post(f"{URL}/inference/v1/generate", json={"token_ids": ids, "sampling_params": {"max_tokens": 2}}, timeout=120)
+    assert r.status_code == 400, r.text[:500]
+    message = r.json()["error"]["message"]
+    assert message.startswith("The decoder prompt (length 1048576) is longer than the maximum model length"), message

@@ -182,8 +182,11 @@ def _sse_app(frames: list[bytes], fail_after: int | None = None, route: str = "/
     return app
 
 
-async def _call(app: Any, path: str, method: str = "POST", leave_after_first_byte: bool = False) -> list[dict]:
-    """Drive the ASGI app as a server does; optionally the client hangs up once the first body byte arrived."""
+async def _call(
+    app: Any, path: str, method: str = "POST", leave_after_first_byte: bool = False, leave_as: BaseException | None = None
+) -> list[dict]:
+    """Drive the ASGI app as a server does; optionally the client hangs up once the first body byte
+    arrived: ``receive`` then answers ``http.disconnect``, or raises ``leave_as``."""
     sent: list[dict] = []
     requested, first_byte = False, asyncio.Event()
 
@@ -194,6 +197,8 @@ async def _call(app: Any, path: str, method: str = "POST", leave_after_first_byt
             return {"type": "http.request", "body": b"{}", "more_body": False}
         if leave_after_first_byte:
             await first_byte.wait()
+            if leave_as is not None:
+                raise leave_as
             return {"type": "http.disconnect"}
         await asyncio.Event().wait()  # the client stays to the end (the server stops listening then)
         raise AssertionError
@@ -278,6 +283,19 @@ def test_a_client_that_leaves_mid_stream_is_a_499_client_disconnect():
     assert not any(m["type"] == "http.response.body" and not m.get("more_body") for m in sent)  # it never finished
     assert _value(metrics, "serve_app_http_requests_total", status="499") == 1
     assert _value(metrics, "serve_app_stream_errors_total", cause="client_disconnect") == 1
+
+
+def test_a_client_that_leaves_while_serves_receive_raises_task_cancelled_is_a_499_too():
+    """Ray 2.60's receive raises the cancelled proxy call's TaskCancelledError (not http.disconnect)
+    when the client left mid-stream: still a 499 client_disconnect, not a 500."""
+    from ray.exceptions import TaskCancelledError
+
+    metrics, app = _middleware(_sse_app([FRAME] * 50))
+    sent = asyncio.run(_call(app, "/v1/chat/completions", leave_after_first_byte=True, leave_as=TaskCancelledError()))
+    assert not any(m["type"] == "http.response.body" and not m.get("more_body") for m in sent)
+    assert _value(metrics, "serve_app_http_requests_total", status="499") == 1
+    assert _value(metrics, "serve_app_stream_errors_total", cause="client_disconnect") == 1
+    assert _value(metrics, "serve_app_stream_errors_total", cause="internal") == 0
 
 
 def test_complete_streams_and_whole_responses_are_no_stream_errors():
