@@ -113,6 +113,11 @@ class StageHealth:
         return sorted(f"{name} ({d.status})" for name, d in self._deployments.items() if d.status not in _READY)
 
     def down(self, deployment: str) -> bool:
-        """True when the last answer showed ``deployment`` with no RUNNING replica (unknown: not down)."""
+        """True when the last answer, under ``ttl_s`` old, showed ``deployment`` with no RUNNING replica
+        (unknown: not down). An older answer is not trusted: after a quiet spell it may predate the
+        stage coming up (the Engine still loading when this replica last asked), and the first request
+        would get a 503 for a stage that runs; the router's own view still fails fast then."""
+        if time.monotonic() - self._fetched_at > self._ttl_s:
+            return False
         d = (self._deployments or {}).get(deployment)
         return d is not None and d.running == 0

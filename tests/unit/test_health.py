@@ -4,6 +4,7 @@ the real one runs in tests/integration/test_engine.py and tests/e2e/test_serve_r
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -35,6 +36,17 @@ def test_not_ready_lists_what_is_not_healthy_and_caches_for_the_ttl():
     assert asyncio.run(run()) == ["Engine (UPDATING)"]
     assert controller.calls == 1
     assert health.down("Engine") and not health.down("Ingress") and not health.down("Unknown")
+
+
+def test_an_answer_older_than_the_ttl_marks_nothing_down():
+    """After a quiet spell the last answer may predate a stage coming up: it fails nothing fast."""
+    controller = Controller({"Engine": DeploymentHealth("UPDATING", 0)})
+    fresh, stale = StageHealth("app", controller, ttl_s=60), StageHealth("app", controller, ttl_s=0.01)
+    asyncio.run(fresh.refresh())
+    asyncio.run(stale.refresh())
+    time.sleep(0.02)
+    assert fresh.down("Engine") and not stale.down("Engine")
+    assert fresh.not_ready() == stale.not_ready() == ["Engine (UPDATING)"]
 
 
 def test_before_any_answer_nothing_is_down_and_nothing_is_ready():
