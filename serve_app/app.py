@@ -16,14 +16,7 @@ from serve_app.derender.plain import PlainDerender
 from serve_app.ingress import Ingress
 from serve_app.render import Render
 
-__all__ = ["REPLICA_ENV", "build_app", "merge_options"]
-
-REPLICA_ENV = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": "-1"}
-"""Every replica's environment. Under make run's settings our replicas call each other over Serve's
-gRPC (:func:`serve_app.stages.with_cluster_transport`), which caps a message at 4 MiB unless told
-otherwise: a chat body under ``limits.max_body_bytes``, a parser stream's carried state or a long
-prompt's ids would be a 500 with gRPC's RESOURCE_EXHAUSTED. No cap, as Ray's actor calls have none:
-the front door bounds what a client sends."""
+__all__ = ["build_app", "merge_options"]
 
 
 def merge_options(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -42,11 +35,6 @@ def merge_options(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[s
     return merged
 
 
-def with_replica_env(options: dict[str, Any]) -> dict[str, Any]:
-    """A deployment's default options with :data:`REPLICA_ENV` in its replicas' environment."""
-    return merge_options(options, {"ray_actor_options": {"runtime_env": {"env_vars": REPLICA_ENV}}})
-
-
 def build_app(args: AppArgs) -> Application:
     """Build the application from validated args; the model directory is resolved once, here.
 
@@ -57,7 +45,7 @@ def build_app(args: AppArgs) -> Application:
 
     def bind(deployment: Any, overrides: dict[str, Any], *bind_args: Any, **bind_kwargs: Any) -> Any:
         """The deployment with its defaults, the user's overrides merged over them, bound to its arguments."""
-        opts = merge_options(with_replica_env(deployment.func_or_class.deployment_options(args)), overrides)
+        opts = merge_options(deployment.func_or_class.deployment_options(args), overrides)
         return deployment.options(**opts).bind(*bind_args, **bind_kwargs)
 
     options = args.deployments
@@ -74,6 +62,6 @@ def build_app(args: AppArgs) -> Application:
         # Its placement group holds the replica's own resources: built over the merged options.
         deployment: Any = Engine
         shell = deployment.func_or_class
-        engine_options = shell.with_placement(args, merge_options(with_replica_env(shell.deployment_options(args)), options.engine))
+        engine_options = shell.with_placement(args, merge_options(shell.deployment_options(args), options.engine))
         engine = deployment.options(**engine_options).bind(args, model)
     return bind(Ingress, options.ingress, args, model, render, plain, parser, engine=engine)

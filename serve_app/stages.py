@@ -143,7 +143,8 @@ def with_cluster_transport(handle: Any | None) -> Any | None:
     Serve's gRPC under make run's ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` (less CPU per streamed token,
     bench/results/composed.md), else Ray actor calls. A handle's default is fixed in the process that
     built the app, which for a driver's ``serve.run`` (a bench, a user's script) is not the cluster's.
-    Messages between our replicas have no size cap either way (:data:`serve_app.app.REPLICA_ENV`)."""
+    gRPC's 4 MiB cap on a message is lifted by make run's ``RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=-1``
+    (the Makefile's SERVE_ENV), cluster-wide, as the flag that picks gRPC."""
     if handle is None or getattr(handle, "deployment_name", None) is None:
         return handle
     from ray.serve._private.constants import RAY_SERVE_USE_GRPC_BY_DEFAULT  # no public accessor in Ray 2.60

@@ -300,11 +300,14 @@ def test_a_composed_stream_the_client_leaves_is_aborted_in_the_engine(served):
 
 def test_a_body_over_grpcs_default_message_cap_gets_the_engines_answer(served):
     """Under make run's settings the Ingress calls the Engine over Serve's gRPC, which caps a message at
-    4 MiB unless the replicas say otherwise (serve_app.app.REPLICA_ENV): a 5 MiB generate body, under
-    limits.max_body_bytes, gets the engine's own 400, not gRPC's RESOURCE_EXHAUSTED as a 500."""
-    ids = [9707] * ((5 << 20) // 5)
-    assert len(json.dumps(ids)) > 5 << 20
+    4 MiB unless told otherwise (the Makefile's SERVE_ENV: RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=-1):
+    a 9.6 MB generate body, under limits.max_body_bytes, whose call to the Engine pickles to 6 MB, gets
+    the engine's own 400, not a 503 or gRPC's RESOURCE_EXHAUSTED as a 500."""
+    import pickle
+
+    ids = [151643] * 1_200_000
+    assert len(pickle.dumps(ids, protocol=5)) > 5 << 20
     r = httpx.post(f"{URL}/inference/v1/generate", json={"token_ids": ids, "sampling_params": {"max_tokens": 2}}, timeout=120)
     assert r.status_code == 400, r.text[:500]
     message = r.json()["error"]["message"]
-    assert message.startswith("The decoder prompt (length 1048576) is longer than the maximum model length"), message
+    assert message.startswith("The decoder prompt (length 1200000) is longer than the maximum model length"), message
