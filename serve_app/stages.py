@@ -166,9 +166,12 @@ async def build_stages(
     whose derender always runs here (one Serve hop per token). ``health``: the replica's view of the
     deployments, for the composed path's fast 503 when no engine replica can be reached."""
     colocated = set(args.colocate_in_ingress)
-    plain_derender, parser_derender = with_cluster_transport(plain_derender), with_cluster_transport(parser_derender)
-    engine = with_cluster_transport(engine)
-    render = with_cluster_transport(render) if "render" not in colocated else render
+    # The handles this replica calls; a colocated stage's handle is left as it is, unused here.
+    if "render" not in colocated:
+        render = with_cluster_transport(render)
+    if "plain_derender" not in colocated:
+        plain_derender = with_cluster_transport(plain_derender)
+    parser_derender, engine = with_cluster_transport(parser_derender), with_cluster_transport(engine)
     render_state = None
     if "render" in colocated:
         from serve_app.render import RenderService
