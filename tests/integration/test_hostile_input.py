@@ -127,6 +127,7 @@ def test_an_integer_the_engine_cannot_carry_is_a_400_on_the_composed_api(client,
 # at once, such as a 2 MB chat message or a 100 KB model name, are tested above as 4xx answers.)
 _CANDIDATES = {str(i): {"logprob": -1.0, "rank": i + 1, "decoded_token": "a"} for i in range(60)}
 _PROMPT_LOGPROBS = [None] + [_CANDIDATES] * 4000
+_PROMPT_LOGPROBS_8K = [None] + [_CANDIDATES] * 8000  # 480k entries, a 27 MiB body: inside every bound
 _SMALL_TOKENIZE = ("/tokenize", {"prompt": "Hello world"})
 _SMALL_CHAT_DERENDER = ("/v1/chat/completions/derender", ROUTES["/v1/chat/completions/derender"])
 HEAVY: dict[str, tuple[str, dict[str, Any], tuple[str, dict[str, Any]]]] = {
@@ -145,18 +146,18 @@ HEAVY: dict[str, tuple[str, dict[str, Any], tuple[str, dict[str, Any]]]] = {
         },
         _SMALL_TOKENIZE,
     ),
-    "240k prompt_logprobs entries, completion": (
+    "480k prompt_logprobs entries, completion": (
         "/v1/completions/derender",
         {
             "generate_responses": [
                 {
                     "request_id": "g",
-                    "prompt_logprobs": _PROMPT_LOGPROBS,
+                    "prompt_logprobs": _PROMPT_LOGPROBS_8K,
                     "choices": [{"index": 0, "token_ids": [9707], "finish_reason": "length"}],
                 }
             ],
-            "prompt_token_ids": [[9707] * 4001],
-            "prompt_tokens": [4001],
+            "prompt_token_ids": [[9707] * 8001],
+            "prompt_tokens": [8001],
             "completion_request": {"prompt": "Hi"},
         },
         _SMALL_TOKENIZE,
@@ -197,21 +198,32 @@ def _without_created(answer: Any) -> Any:
     return {k: v for k, v in answer.items() if k != "created"} if isinstance(answer, dict) else answer
 
 
-@pytest.mark.parametrize("kind", list(HEAVY))
-def test_a_small_request_finishes_while_a_heavy_one_on_its_replica_runs(client, kind):
+def _race(client: httpx.Client, kind: str, expected_small: httpx.Response) -> bool:
+    """Sends the heavy request, then the small one once the heavy one is seen in flight: True when the
+    small one finished first."""
     route, body, (small_route, small_body) = HEAVY[kind]
-    expected_small = _post(client, small_route, small_body)
-    assert expected_small.status_code == 200, expected_small.text[:300]
     with ThreadPoolExecutor(1) as pool:
         heavy = pool.submit(_post, client, route, body)
         while not heavy.done() and _in_flight(client) < 2:  # the heavy request and this scrape
             pass
         assert not heavy.done(), f"the heavy request ({kind}) was never seen in flight: not a test of anything"
-        # A small request sent now must finish before the heavy one: a replica whose event loop the
-        # heavy request held would answer it only after.
         small = _post(client, small_route, small_body)
         finished_first = not heavy.done()
         answer = heavy.result()
     assert small.status_code == 200 and _without_created(small.json()) == _without_created(expected_small.json()), small.text[:300]
     assert answer.status_code < 500, answer.text[:300]
-    assert finished_first, f"the small request finished only after the heavy one ({kind})"
+    return finished_first
+
+
+@pytest.mark.parametrize("kind", list(HEAVY))
+def test_a_small_request_finishes_while_a_heavy_one_on_its_replica_runs(client, kind):
+    """A replica whose event loop the heavy request held would answer the small one only after it, in
+    every attempt. A free one can still lose a single race on 2 shared cores (CI saw it once, with the
+    heavy request's last ~0.3 s against a small request slowed to ~0.25 s), so it gets three."""
+    route, body, (small_route, small_body) = HEAVY[kind]
+    expected_small = _post(client, small_route, small_body)
+    assert expected_small.status_code == 200, expected_small.text[:300]
+    races = []
+    while len(races) < 3 and not any(races):
+        races.append(_race(client, kind, expected_small))
+    assert any(races), f"the small request finished only after the heavy one, {len(races)} times out of {len(races)} ({kind})"
