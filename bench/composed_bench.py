@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
 import json
 import os
 import shutil
@@ -86,6 +87,37 @@ TOOLS = [
 ]
 
 
+# Time to first token as the servers measured it, beside the client's (a tail the client sees and these do not
+# is the client's or the front door's): ours' Ingress (arrival to first chunk with tokens) and both engines.
+SERVER_TTFT = {"ours": ("serve_app_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"),
+               "vllm": ("vllm:time_to_first_token_seconds",)}
+
+
+def ttft_buckets(base: str, names: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Cumulative bucket counts (by ``le``, every replica summed) of each histogram at ``base``'s /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, float]] = {n: {} for n in names}
+    try:
+        text = httpx.get(f"{base}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return out
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for n in names:
+                if sample.name == f"{n}_bucket":
+                    le = sample.labels["le"]
+                    out[n][le] = out[n].get(le, 0.0) + sample.value
+    return out
+
+
+def bucket_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, int]]:
+    """Requests of this case per histogram, by ``le`` (cumulative), zeros left out."""
+    return {n: {le: int(v - before.get(n, {}).get(le, 0.0)) for le, v in b.items() if v - before.get(n, {}).get(le, 0.0) > 0}
+            for n, b in after.items()}
+
+
 def bench_serve_argv(base: str, model_dir: str, c: int, prompts: int, opts: argparse.Namespace, result: Path) -> list[str]:
     extra = ["--extra-body", json.dumps({"tools": TOOLS, "tool_choice": "auto"})] if opts.workload == "tools" else []
     return [sys.executable, "-m", "serve_app.vllm_cli", "bench", "serve", *extra, "--backend", "openai-chat", "--base-url", base,
@@ -94,7 +126,7 @@ def bench_serve_argv(base: str, model_dir: str, c: int, prompts: int, opts: argp
             "--num-prompts", str(prompts), "--max-concurrency", str(c), "--num-warmups", str(min(c, 4)),
             "--seed", str(opts.seed), "--temperature", "0",
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,90,99",
-            "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+            "--save-result", "--save-detailed", "--result-dir", str(result.parent), "--result-filename", result.name]
 
 
 def by_role(snapshot: dict[int, tuple[str, float]], groups: dict[int, str]) -> dict[int, tuple[str, float]]:
@@ -167,29 +199,39 @@ async def run_case(system: str, base: str, model_dir: str, c: int, prompts: int,
     data["setup"].setdefault("bench_command", shown(argv))
     progress(f"[{time.perf_counter() - run_start:6.0f} s] {tag}: {prompts} prompts")
     profiling = []
+    ttft_before = await asyncio.to_thread(ttft_buckets, base, SERVER_TTFT[system])
     before = by_role(proc_cpu(), groups)
     t0 = time.perf_counter()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with (LOGS / f"composed-{tag}.log").open("w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.PIPE, env=env, start_new_session=True, text=True)
+    log_path = LOGS / f"composed-{tag}.log"
+    with log_path.open("w") as log:
+        # The client writes to a file, never to a pipe: a pipe drained by this process stalled the client's own
+        # event loop in tqdm's write for ~0.5 s at a time, which it then counted as TTFT (the servers' histograms
+        # showed no such request). Its progress is copied to stderr from the file.
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         groups[proc.pid] = "client"
         if opts.profile and system == "ours" and c == max(opts.concurrency):
             await asyncio.sleep(3)  # past the first requests' prefill
             profiling = start_profile(opts.profile, tag)
-        assert proc.stderr is not None
-        loop = asyncio.get_running_loop()
-        while line := await loop.run_in_executor(None, proc.stderr.readline):  # tqdm and errors: passed to stderr
-            sys.stderr.write(line)
-            log.write(line)
-        code = await loop.run_in_executor(None, proc.wait)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a read may end inside a character
+        with log_path.open("rb") as tail:
+            while proc.poll() is None:
+                await asyncio.sleep(1)
+                sys.stderr.write(decoder.decode(tail.read()))
+            sys.stderr.write(decoder.decode(tail.read(), final=True))
+        code = proc.returncode
     wall = time.perf_counter() - t0
     cpu = cpu_delta(before, by_role(proc_cpu(), groups))
+    server_ttft = bucket_delta(ttft_before, await asyncio.to_thread(ttft_buckets, base, SERVER_TTFT[system]))
     groups.pop(proc.pid, None)
-    row: dict[str, Any] = {"system": system, "concurrency": c, "num_prompts": prompts, "wall_s": wall, "exit_code": code}
+    row: dict[str, Any] = {"system": system, "concurrency": c, "num_prompts": prompts, "wall_s": wall, "exit_code": code,
+                           "server_ttft_buckets": server_ttft}
     if result_path.exists():
         res = json.loads(result_path.read_text())
         row.update({k: res.get(k) for k in (*METRICS, "completed", "failed", "total_output_tokens", "duration", "request_throughput",
                                             "p90_ttft_ms", "p90_itl_ms", "mean_ttft_ms", "mean_itl_ms")})
+        # Per request, in the order sent (c=1: in time): where a tail request falls.
+        row["ttfts_ms"] = [round(t * 1e3, 1) for t in res.get("ttfts") or []]
         tokens = res.get("total_output_tokens") or 0
         row["cpu_ms_per_token"] = {k: v * 1e3 / tokens for k, v in sorted(cpu.items())} if tokens else {}
     for name, p, out in profiling:
