@@ -205,9 +205,8 @@ async def run_case(system: str, base: str, model_dir: str, c: int, prompts: int,
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     log_path = LOGS / f"composed-{tag}.log"
     with log_path.open("w") as log:
-        # The client writes to a file, never to a pipe: a pipe drained by this process stalled the client's own
-        # event loop in tqdm's write for ~0.5 s at a time, which it then counted as TTFT (the servers' histograms
-        # showed no such request). Its progress is copied to stderr from the file.
+        # The client writes to its log file, copied to stderr as it grows: no pipe this process must drain for
+        # the client to go on (a pipe was one suspect for its c=1 TTFT tail; the tail stayed without it).
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         groups[proc.pid] = "client"
         if opts.profile and system == "ours" and c == max(opts.concurrency):
@@ -269,6 +268,13 @@ def _tier(case: dict[str, Any]) -> float | None:
     return sum(v for k, v in cpu.items() if k not in _NOT_OURS)
 
 
+def _over(buckets: dict[str, int] | None, le: str) -> str:
+    """Requests over ``le`` seconds in a case's cumulative bucket counts ("–": not measured)."""
+    if not buckets or le not in buckets:
+        return "–"
+    return str(buckets.get("+Inf", 0) - buckets[le])
+
+
 def render_report(data: dict[str, Any]) -> str:
     m = data["machine"]
     cases = {(r["system"], r["concurrency"]): r for r in data["cases"]}
@@ -320,6 +326,18 @@ def render_report(data: dict[str, Any]) -> str:
                          f"{ratio(u.get('output_throughput'), v.get('output_throughput'))} | {fmt(v.get('median_ttft_ms'))} / "
                          f"{fmt(u.get('median_ttft_ms'))} | {fmt(v.get('p99_itl_ms'))} / {fmt(u.get('p99_itl_ms'))} | "
                          f"{fmt(_tier(v), 3)} / {fmt(_tier(u), 3)} |")
+    tails = [r for r in data["cases"] if r.get("ttfts_ms")]
+    if tails:
+        lines += ["", "## TTFT over 100 ms: as the client saw it, and as the servers measured it", "",
+                  "Requests of each case whose TTFT exceeded 100 ms: the client's (`vllm bench serve`, per request), "
+                  "ours' Ingress (`serve_app_time_to_first_token_seconds`, arrival to first chunk with tokens) and each "
+                  "engine's (`vllm:time_to_first_token_seconds`), from the servers' /metrics before and after the case.", "",
+                  "| system | c | requests | client | Ingress | engine |", "|---|---|---|---|---|---|"]
+        for r in sorted(tails, key=lambda r: (r["concurrency"], r["system"])):
+            b = r.get("server_ttft_buckets", {})
+            lines.append(f"| {r['system']} | {r['concurrency']} | {len(r['ttfts_ms'])} | {sum(t > 100 for t in r['ttfts_ms'])} | "
+                         f"{_over(b.get('serve_app_time_to_first_token_seconds'), '0.1')} | "
+                         f"{_over(b.get('vllm:time_to_first_token_seconds'), '0.1')} |")
     roles = sorted({k for r in data["cases"] for k in r.get("cpu_ms_per_token", {})})
     keep = [k for k in roles if max(r.get("cpu_ms_per_token", {}).get(k, 0) for r in data["cases"]) >= 0.005]
     lines += [
