@@ -113,9 +113,8 @@ def ttft_buckets(base: str, names: tuple[str, ...]) -> dict[str, dict[str, float
 
 
 def bucket_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, int]]:
-    """Requests of this case per histogram, by ``le`` (cumulative), zeros left out."""
-    return {n: {le: int(v - before.get(n, {}).get(le, 0.0)) for le, v in b.items() if v - before.get(n, {}).get(le, 0.0) > 0}
-            for n, b in after.items()}
+    """Requests of this case per histogram, by ``le`` (cumulative; a bucket no request fell under is 0)."""
+    return {n: {le: int(v - before.get(n, {}).get(le, 0.0)) for le, v in b.items()} for n, b in after.items()}
 
 
 def bench_serve_argv(base: str, model_dir: str, c: int, prompts: int, opts: argparse.Namespace, result: Path) -> list[str]:
