@@ -223,7 +223,5 @@ def test_a_small_request_finishes_while_a_heavy_one_on_its_replica_runs(client, 
     route, body, (small_route, small_body) = HEAVY[kind]
     expected_small = _post(client, small_route, small_body)
     assert expected_small.status_code == 200, expected_small.text[:300]
-    races = []
-    while len(races) < 3 and not any(races):
-        races.append(_race(client, kind, expected_small))
-    assert any(races), f"the small request finished only after the heavy one, {len(races)} times out of {len(races)} ({kind})"
+    won = any(_race(client, kind, expected_small) for _ in range(3))  # stops at the first race won
+    assert won, f"the small request finished only after the heavy one, in all three races ({kind})"
