@@ -96,20 +96,14 @@ SERVER_TTFT = {"ours": ("serve_app_time_to_first_token_seconds", "vllm:time_to_f
 def ttft_buckets(base: str, names: tuple[str, ...]) -> dict[str, dict[str, float]]:
     """Cumulative bucket counts (by ``le``, every replica summed) of each histogram at ``base``'s /metrics."""
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict[str, dict[str, float]] = {n: {} for n in names}
+    from tests.harness.metrics import summed_by
+
     try:
         text = httpx.get(f"{base}/metrics", timeout=30).text
     except httpx.HTTPError:
-        return out
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            for n in names:
-                if sample.name == f"{n}_bucket":
-                    le = sample.labels["le"]
-                    out[n][le] = out[n].get(le, 0.0) + sample.value
-    return out
+        return {n: {} for n in names}
+    return {n: summed_by(text, f"{n}_bucket", "le") for n in names}
 
 
 def bucket_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, int]]:

@@ -25,9 +25,9 @@ def parse_metrics(text: str) -> dict[str, Any]:
     the parser-session cache per ParserDerender replica."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    requests: dict[str, float] = {}
+    from tests.harness.metrics import summed_by
+
     cache: dict[str, dict[str, float]] = {}
-    chunks: dict[str, float] = {}
     out: dict[str, Any] = {}
     cache_keys = {"serve_app_parser_session_cache_sessions": "sessions", "serve_app_parser_session_cache_tokens": "tokens",
                   "serve_app_parser_session_cache_evictions_total": "evictions",
@@ -36,17 +36,12 @@ def parse_metrics(text: str) -> dict[str, Any]:
                "serve_app_metrics_ingress_replicas": "ingress_replicas"}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "serve_app_http_requests_total":
-                key = f"{s.labels.get('method')} {s.labels.get('route')} {s.labels.get('status')}"
-                requests[key] = requests.get(key, 0.0) + s.value
-            elif s.name == "serve_app_parser_session_chunks_total":
-                outcome = s.labels.get("outcome", "")
-                chunks[outcome] = chunks.get(outcome, 0.0) + s.value
-            elif s.name in scalars:
+            if s.name in scalars:
                 out[scalars[s.name]] = s.value
             elif s.name in cache_keys:
                 cache.setdefault(s.labels.get("replica", "?")[:8], {})[cache_keys[s.name]] = s.value
-    out.update(requests=requests, cache=cache, chunks=chunks)
+    out.update(requests=summed_by(text, "serve_app_http_requests_total", "method", "route", "status"),
+               cache=cache, chunks=summed_by(text, "serve_app_parser_session_chunks_total", "outcome"))
     return out
 
 

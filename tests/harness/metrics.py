@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 
-def session_outcomes(metrics_text: str) -> dict[str, float]:
-    """Parser-derender chunks by session-cache outcome (hit: its live parser; miss: a replay of the carried
-    state; new: a stream's first; none), summed over the Ingress replicas (the Ingress counts them
-    whichever replica parsed)."""
+def summed_by(metrics_text: str, sample: str, *labels: str) -> dict[str, float]:
+    """The values of every ``sample`` series in ``metrics_text``, summed over the series that share
+    ``labels``' values (every other label, such as ``replica``, summed away), keyed by those values
+    joined with spaces (``"?"`` for a series without one)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         for s in family.samples:
-            if s.name == "serve_app_parser_session_chunks_total":
-                outcome = s.labels.get("outcome", "?")
-                out[outcome] = out.get(outcome, 0.0) + s.value
+            if s.name == sample:
+                key = " ".join(s.labels.get(label, "?") for label in labels)
+                out[key] = out.get(key, 0.0) + s.value
     return out
+
+
+def session_outcomes(metrics_text: str) -> dict[str, float]:
+    """Parser-derender chunks by session-cache outcome (hit: its live parser; miss: a replay of the carried
+    state; new: a stream's first; none), summed over the Ingress replicas (the Ingress counts them
+    whichever replica parsed)."""
+    return summed_by(metrics_text, "serve_app_parser_session_chunks_total", "outcome")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.harness.derender_stream import carry_state, split, token_chunks
-from tests.harness.metrics import session_outcomes
+from tests.harness.metrics import session_outcomes, summed_by
 
 
 def test_token_chunks_finish_only_the_last_chunk():
@@ -37,3 +37,22 @@ def test_session_outcomes_sum_over_replicas():
         'other_total{outcome="hit"} 100.0',
     ]) + "\n"
     assert session_outcomes(text) == {"hit": 5.0, "miss": 1.0}
+
+
+def test_summed_by_keys_on_the_named_labels_and_sums_the_rest_away():
+    text = "\n".join([
+        "# TYPE serve_app_http_requests counter",
+        'serve_app_http_requests_total{method="POST",route="/a",status="200",replica="x"} 4.0',
+        'serve_app_http_requests_total{method="POST",route="/a",status="200",replica="y"} 1.0',
+        'serve_app_http_requests_total{method="POST",route="/a",status="400",replica="x"} 2.0',
+        "# TYPE ttft histogram",
+        'ttft_bucket{le="0.1",replica="x"} 3.0',
+        'ttft_bucket{le="0.1",replica="y"} 0.0',
+        'ttft_bucket{le="+Inf",replica="x"} 5.0',
+        'ttft_count{replica="x"} 5.0',
+        'ttft_sum{replica="x"} 0.9',
+    ]) + "\n"
+    assert summed_by(text, "serve_app_http_requests_total", "method", "route", "status") == {"POST /a 200": 5.0, "POST /a 400": 2.0}
+    assert summed_by(text, "ttft_bucket", "le") == {"0.1": 3.0, "+Inf": 5.0}
+    assert summed_by(text, "ttft_bucket", "missing") == {"?": 8.0}
+    assert summed_by(text, "absent_total", "le") == {}
