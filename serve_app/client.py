@@ -23,13 +23,13 @@ so they answer exactly what that route answers. Errors raised in a deployment ar
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from functools import cached_property
 from typing import Any
 
 from serve_app.errors import ApiError
 from serve_app.protocol import GenerateTokensResponse, GenerateTokensStreamResponse
+from serve_app.wire import load_answer
 
 __all__ = ["ChatDerenderStream", "ServeAppClient"]
 
@@ -105,13 +105,13 @@ class ServeAppClient:
 
     async def render_chat(self, chat_request: dict[str, Any], request_id: str | None = None) -> GenerateRequestDict:
         """``/v1/chat/completions/render``: the request's prompt token ids and sampling params."""
-        return json.loads(await self._call(self.render.chat.remote(chat_request, request_id)))
+        return load_answer(await self._call(self.render.chat.remote(chat_request, request_id)))
 
     async def render_completion(
         self, completion_request: dict[str, Any], request_id: str | None = None
     ) -> list[GenerateRequestDict]:
         """``/v1/completions/render``: one ``GenerateRequest`` per prompt."""
-        return json.loads(await self._call(self.render.completion.remote(completion_request, request_id)))
+        return load_answer(await self._call(self.render.completion.remote(completion_request, request_id)))
 
     async def generate(self, generate_request: GenerateRequestDict) -> GenerateTokensResponse:
         """``/inference/v1/generate`` without streaming (``stream`` is ignored)."""
@@ -149,7 +149,7 @@ class ServeAppClient:
             "prompt_token_ids": prompt_token_ids,
             "prompt_tokens": len(prompt_token_ids) if prompt_token_ids is not None else None,
         }
-        return json.loads(await self._call(target.chat.remote(body)))
+        return load_answer(await self._call(target.chat.remote(body)))
 
     def derender_chat_stream(
         self,
@@ -182,7 +182,7 @@ class ServeAppClient:
             "prompt_token_ids": prompt_token_ids,
             "prompt_tokens": [len(p) for p in prompt_token_ids] if prompt_token_ids is not None else None,
         }
-        return json.loads(await self._call(self.plain_derender.completion.remote(body)))
+        return load_answer(await self._call(self.plain_derender.completion.remote(body)))
 
     # --- the three composed ---------------------------------------------------------------------
     # Served by the Ingress's own composition (serve_app/compose.py), the code behind
@@ -190,7 +190,7 @@ class ServeAppClient:
 
     async def chat(self, chat_request: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
         """Render, generate and derender one chat request: what ``/v1/chat/completions`` returns."""
-        return json.loads(await self._call(self.ingress.composed_chat.remote(chat_request, request_id)))
+        return load_answer(await self._call(self.ingress.composed_chat.remote(chat_request, request_id)))
 
     async def chat_stream(self, chat_request: dict[str, Any], request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
         """What ``/v1/chat/completions`` streams, as ``chat.completion.chunk`` dicts (``stream_options``
@@ -247,7 +247,7 @@ class ChatDerenderStream:
             sid = self._session_id or gen.get("request_id")
             self._handle = self._target.options(session_id=sid) if self._has_parser and sid else self._target
         body = {**self._base, "generate_chunk": gen, "stream_state": self.stream_states.get(index)}
-        out = json.loads(await self._client._call(self._handle.chat.remote(body)))
+        out = load_answer(await self._client._call(self._handle.chat.remote(body)))
         self.stream_states[index] = out["stream_state"]
         return out
 

@@ -21,6 +21,7 @@ __all__ = [
     "dump_json",
     "dump_json_floatless",
     "forwarded_headers",
+    "load_answer",
     "load_body",
     "parse_json",
     "send_json",
@@ -58,6 +59,18 @@ def dump_json_floatless(content: Any) -> bytes:
         return orjson.dumps(content)
     except (TypeError, orjson.JSONEncodeError):  # e.g. an int beyond 64 bits: the reference path
         return dump_json(content)
+
+
+def load_answer(raw: bytes | bytearray) -> Any:
+    """JSON this app wrote (a deployment's answer) as ``json.loads`` reads it: by orjson, several times
+    faster on a carried stream state, unless the bytes hold a 19+ digit run (orjson reads ints past
+    64 bits as floats) or orjson refuses them (an escaped lone surrogate)."""
+    if not _has_long_digit_run(raw):
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(raw)
 
 
 def check_json_content_type(content_type: str | None) -> None:

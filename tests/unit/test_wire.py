@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serve_app.errors import ApiError, envelope
-from serve_app.wire import MAX_JSON_DEPTH, check_engine_ints, dump_json, dump_json_floatless, load_body, parse_json, stream_flag
+from serve_app.wire import MAX_JSON_DEPTH, check_engine_ints, dump_json, dump_json_floatless, load_answer, load_body, parse_json, stream_flag
 from tests.hostile import string_positions, with_surrogate
 
 
@@ -37,6 +37,20 @@ def test_floatless_dump_falls_back_beyond_64_bit_ints():
 def test_parse_equals_json_module(body):
     got, want = parse_json(body), json.loads(body)
     assert json.dumps(got) == json.dumps(want)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        dump_json({"ids": [2**70, -(2**63) - 1, 2**64], "n": 10**30}),  # past 64 bits: orjson would read floats
+        b'{"text":"\\ud800 lone","ok":true}',  # orjson refuses an escaped lone surrogate
+        dump_json({"f": 1e308, "g": 0.1, "h": -0.0, "i": 5e-324, "u": "\u00e9\u6771\U0001f600", "x": None}),
+        dump_json_floatless({"stream_state": {"output_token_ids": list(range(4000)), "prev_tokens": ["\u0120a", "\\\""]}}),
+    ],
+)
+def test_load_answer_reads_what_json_reads(answer):
+    got, want = load_answer(answer), json.loads(answer)
+    assert json.dumps(got) == json.dumps(want) and type(got) is type(want)
 
 
 @pytest.mark.parametrize("body", [b"{", b'{"a": }', b"\xff\xfe\xfd", b'{"a": 1} x'])
