@@ -247,6 +247,8 @@ def run_ours(w1000: tuple[list[int], list[int]], w4000: tuple[list[int], list[in
             log(f"ours ({mode}) one 4000-token stream: {sum(lat4):.2f} s; sessions {out[mode]['sessions']}")
         out["handle"] = handle_stream(prompt, output)
         log(f"ours by handle (ServeAppClient.derender_chat_stream): {out['handle']['total_s']:.2f} s")
+        out["handle_ray_defaults"] = handle_stream_in_default_process()
+        log(f"ours by handle, caller under Ray's default Serve settings: {out['handle_ray_defaults']['total_s']:.2f} s")
         return out
     finally:
         ray.shutdown()
@@ -274,6 +276,30 @@ def handle_stream(prompt: list[int], output: list[int]) -> dict[str, Any]:
 
     total, chunks = asyncio.run(run())
     return {"total_s": total, "answer": joined(chunks)}
+
+
+def handle_stream_in_default_process() -> dict[str, Any]:
+    """:func:`handle_stream` from a separate caller process under Ray's default Serve settings (no
+    ``RAY_SERVE_THROUGHPUT_OPTIMIZED``: a handle call is a Ray actor call routed on a separate loop),
+    as a user's own driver or deployment gets unless it sets the flag; this process runs make run's."""
+    import ray
+
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+           "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    argv = [sys.executable, "-m", "bench.parser_bench", "--handle-worker"]
+    done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"handle worker failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def handle_worker() -> None:
+    """``--handle-worker``: :func:`handle_stream` against the bench's cluster (``RAY_ADDRESS``), JSON on stdout."""
+    import ray
+
+    ray.init(address=os.environ["RAY_ADDRESS"], namespace="serve", log_to_driver=False)
+    prompt, output = workload(1000)
+    print(json.dumps(handle_stream(prompt, output)))
 
 
 # --- in-process CPU profile ---------------------------------------------------------------------
@@ -374,6 +400,11 @@ def report(data: dict[str, Any]) -> str:
         row = f"| one 1000-token stream by handle (`ServeAppClient.derender_chat_stream`), s | {v1:.2f} | {hs:.2f} | {v1 / hs:.1f}x"
         lines.append(row + " | | | >= 10x |")
         same = same and same_answer(ours["handle"]["answer"], v["one_1000"]["answer"])
+    if "handle_ray_defaults" in ours:
+        hd = ours["handle_ray_defaults"]["total_s"]
+        lines.append(f"| the same, the caller under Ray's default Serve settings (no `RAY_SERVE_THROUGHPUT_OPTIMIZED`), s | {v1:.2f} | "
+                     f"{hd:.2f} | {v1 / hd:.1f}x | | | >= 10x |")
+        same = same and same_answer(ours["handle_ray_defaults"]["answer"], v["one_1000"]["answer"])
     lines += [
         "",
         f"- Outputs (content, reasoning, tool-call arguments, finish_reason) equal vLLM's for every 1000-token stream: {same}.",
@@ -449,7 +480,11 @@ def plot(data: dict[str, Any]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="profile,vllm,ours,report", help="comma-separated: profile, vllm, ours, report")
+    p.add_argument("--handle-worker", action="store_true", help=argparse.SUPPRESS)  # see handle_stream_in_default_process
     opts = p.parse_args()
+    if opts.handle_worker:
+        handle_worker()
+        return
     parts = set(opts.parts.split(","))
     path = RESULTS / "parser.json"
     data: dict[str, Any] = json.loads(path.read_text()) if path.exists() and parts != {"profile", "vllm", "ours", "report"} else {}
