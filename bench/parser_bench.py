@@ -218,8 +218,12 @@ def run_ours(w1000: tuple[list[int], list[int]], w4000: tuple[list[int], list[in
 
             tag = "h" if mode == "x-session-id" else "n"
             before = session_outcomes(base)
+            cpu0, client0 = proc_cpu(), time.thread_time()
             lat, chunks, sent = stream(url, prompt, output, f"{tag}-1000", hdr(f"{tag}-1000"))
-            one = {"total_s": sum(lat), "p50_ms": 1000 * statistics.median(lat), "bytes_sent": sent, "answer": joined(chunks)}
+            # Process CPU per chunk: the client is this thread (the stream's whole loop), the servers by role.
+            client_ms, roles = 1000 * (time.thread_time() - client0) / len(output), cpu_by_role(cpu0, proc_cpu())
+            one = {"total_s": sum(lat), "p50_ms": 1000 * statistics.median(lat), "bytes_sent": sent, "answer": joined(chunks),
+                   "cpu_ms_per_chunk": {"client": client_ms} | {r: 1000 * v / len(output) for r, v in roles.items() if r in SERVER_ROLES}}
             log(f"ours ({mode}) one 1000-token stream: {one['total_s']:.2f} s")
             many = concurrent(url, prompt, output, f"{tag}-c", hdr)
             log(f"ours ({mode}) {CONCURRENT} concurrent: {many['chunks_per_s']:.0f} chunks/s")
@@ -410,6 +414,10 @@ def report(data: dict[str, Any]) -> str:
         f"- Outputs (content, reasoning, tool-call arguments, finish_reason) equal vLLM's for every 1000-token stream: {same}.",
         f"- Session cache outcomes (Ingress /metrics) — no header: {fmt_sessions(n['sessions'])}; "
         f"x-session-id: {fmt_sessions(h['sessions'])}.",
+        *[f"- CPU per chunk over the one 1000-token stream ({mode}; the stream is serial, so its time per chunk is about "
+          f"their sum): " + ", ".join(f"{r} {ms:.2f} ms" for r, ms in sorted(o["one_1000"]["cpu_ms_per_chunk"].items(),
+                                                                           key=lambda kv: -kv[1]) if ms >= 0.005) + "."
+          for mode, o in (("no header", n), ("x-session-id", h)) if "cpu_ms_per_chunk" in o["one_1000"]],
         f"- Bytes a client sends: 1000-token stream {n['one_1000']['bytes_sent'] / 1e6:.1f} MB, "
         f"4000-token {n['one_4000']['bytes_sent'] / 1e6:.1f} MB.",
         f"- vLLM's 4000-token total integrates its per-chunk cost at positions {', '.join(map(str, POSITIONS))} (median of 3); "
