@@ -9,7 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serve_app.errors import ApiError, envelope
-from serve_app.wire import MAX_JSON_DEPTH, check_engine_ints, dump_json, dump_json_floatless, load_answer, load_body, parse_json, stream_flag
+from serve_app.wire import (
+    MAX_JSON_DEPTH,
+    check_engine_ints,
+    dump_json,
+    dump_json_floatless,
+    load_answer,
+    load_body,
+    parse_json,
+    stream_flag,
+)
 from tests.hostile import string_positions, with_surrogate
 
 
