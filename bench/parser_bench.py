@@ -414,10 +414,7 @@ def report(data: dict[str, Any]) -> str:
         f"- Outputs (content, reasoning, tool-call arguments, finish_reason) equal vLLM's for every 1000-token stream: {same}.",
         f"- Session cache outcomes (Ingress /metrics) — no header: {fmt_sessions(n['sessions'])}; "
         f"x-session-id: {fmt_sessions(h['sessions'])}.",
-        *[f"- CPU per chunk over the one 1000-token stream ({mode}; the stream is serial, so its time per chunk is about "
-          f"their sum): " + ", ".join(f"{r} {ms:.2f} ms" for r, ms in sorted(o["one_1000"]["cpu_ms_per_chunk"].items(),
-                                                                           key=lambda kv: -kv[1]) if ms >= 0.005) + "."
-          for mode, o in (("no header", n), ("x-session-id", h)) if "cpu_ms_per_chunk" in o["one_1000"]],
+        *[cpu_line(mode, o["one_1000"]) for mode, o in (("no header", n), ("x-session-id", h)) if "cpu_ms_per_chunk" in o["one_1000"]],
         f"- Bytes a client sends: 1000-token stream {n['one_1000']['bytes_sent'] / 1e6:.1f} MB, "
         f"4000-token {n['one_4000']['bytes_sent'] / 1e6:.1f} MB.",
         f"- vLLM's 4000-token total integrates its per-chunk cost at positions {', '.join(map(str, POSITIONS))} (median of 3); "
@@ -454,6 +451,14 @@ def report(data: dict[str, Any]) -> str:
             callers = "; ".join(r.get("callers") or ())
             lines.append(f"| `{r['function']}` | {r['calls_per_chunk']:.1f} | {r['own_ms']:.3f} | {r['cum_ms']:.3f} | {callers} |")
     return "\n".join(lines) + "\n"
+
+
+def cpu_line(mode: str, one: dict[str, Any]) -> str:
+    """The one 1000-token stream's CPU per chunk by process role, largest first (roles under 0.005 ms left out)."""
+    roles = sorted(one["cpu_ms_per_chunk"].items(), key=lambda kv: -kv[1])
+    shown = ", ".join(f"{role} {ms:.2f} ms" for role, ms in roles if ms >= 0.005)
+    return (f"- CPU per chunk over the one 1000-token stream ({mode}; the stream is serial, so its time per chunk is about "
+            f"their sum): {shown}.")
 
 
 def fmt_sessions(s: dict[str, float]) -> str:
