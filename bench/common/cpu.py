@@ -84,6 +84,23 @@ def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str
     return roles
 
 
+def pin_threads(pid: int, cpus: set[int]) -> int:
+    """Every thread of ``pid`` onto ``cpus`` (``sched_setaffinity`` moves one thread); returns how many
+    threads moved. A process or thread that ended meanwhile is skipped."""
+    moved = 0
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+            moved += 1
+        except OSError:
+            continue
+    return moved
+
+
 def idle_cpu_util(seconds: float = 1.0) -> float:
     """Machine CPU utilisation while this benchmark sends nothing: background noise."""
     b0 = machine_busy_s()

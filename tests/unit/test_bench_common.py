@@ -96,3 +96,29 @@ def test_kills_are_parsed_and_blamed_for_the_failures_in_their_window():
     assert rows[0]["replaced"]  # a replica of the deployment first seen after the kill
     assert outside == [(10.0, "hang: a"), (61.0, "hang: d")]
     assert memory["Ingress#abcdef"]["gated"] is False and memory["Ingress#zzzzzz"]["gated"] is True
+
+
+def test_pin_threads_moves_every_thread_of_a_process():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from bench.common.cpu import pin_threads
+
+    cpus = sorted(os.sched_getaffinity(0))
+    child = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                              "for _ in range(3): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+                              "time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 30
+        while len(os.listdir(f"/proc/{child.pid}/task")) < 4:
+            assert time.monotonic() < deadline, "the child's threads never started"
+            time.sleep(0.05)
+        target = {cpus[-1]}
+        assert pin_threads(child.pid, target) == 4
+        assert [os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{child.pid}/task")] == [target] * 4
+    finally:
+        child.kill()
+        child.wait()
+    assert pin_threads(child.pid, {cpus[0]}) == 0  # a process that is gone moves nothing
