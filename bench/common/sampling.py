@@ -34,14 +34,15 @@ def parse_metrics(text: str) -> dict[str, Any]:
                   "serve_app_parser_session_cache_expirations_total": "expirations"}
     scalars = {"serve_app_parser_session_cache_max_tokens": "max_tokens", "serve_app_parser_session_stats_up": "stats_up",
                "serve_app_metrics_ingress_replicas": "ingress_replicas"}
-    for family in text_string_to_metric_families(text):
+    families = list(text_string_to_metric_families(text))  # parsed once for the loop and both sums
+    for family in families:
         for s in family.samples:
             if s.name in scalars:
                 out[scalars[s.name]] = s.value
             elif s.name in cache_keys:
                 cache.setdefault(s.labels.get("replica", "?")[:8], {})[cache_keys[s.name]] = s.value
-    out.update(requests=summed_by(text, "serve_app_http_requests_total", "method", "route", "status"),
-               cache=cache, chunks=summed_by(text, "serve_app_parser_session_chunks_total", "outcome"))
+    out.update(requests=summed_by(families, "serve_app_http_requests_total", "method", "route", "status"),
+               cache=cache, chunks=summed_by(families, "serve_app_parser_session_chunks_total", "outcome"))
     return out
 
 

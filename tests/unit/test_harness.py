@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from tests.harness.derender_stream import carry_state, split, token_chunks
 from tests.harness.metrics import session_outcomes, summed_by
 
@@ -56,3 +58,7 @@ def test_summed_by_keys_on_the_named_labels_and_sums_the_rest_away():
     assert summed_by(text, "ttft_bucket", "le") == {"0.1": 3.0, "+Inf": 5.0}
     assert summed_by(text, "ttft_bucket", "missing") == {"?": 8.0}
     assert summed_by(text, "absent_total", "le") == {}
+    assert summed_by(text, "ttft_sum") == {"": 0.9}  # no label named: every series summed
+    families = list(text_string_to_metric_families(text))  # parsed once, read twice: the same sums
+    assert summed_by(families, "ttft_bucket", "le") == summed_by(text, "ttft_bucket", "le")
+    assert summed_by(families, "serve_app_http_requests_total", "status") == {"200": 5.0, "400": 2.0}
