@@ -113,14 +113,16 @@ def server_metrics(base: str, names: tuple[str, ...]) -> tuple[dict[str, dict[st
     """From ``base``'s /metrics, every replica summed: the cumulative bucket counts (by ``le``) of each TTFT
     histogram in ``names``, and the engine's :data:`ENGINE_TOTALS`."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     from tests.harness.metrics import summed_by
 
     try:
-        text = httpx.get(f"{base}/metrics", timeout=30).text
+        families = list(text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=30).text))
     except httpx.HTTPError:
         return {n: {} for n in names}, {}
-    return {n: summed_by(text, f"{n}_bucket", "le") for n in names}, {n: summed_by(text, n).get("", 0.0) for n in ENGINE_TOTALS}
+    return ({n: summed_by(families, f"{n}_bucket", "le") for n in names},
+            {n: summed_by(families, n).get("", 0.0) for n in ENGINE_TOTALS})
 
 
 def bucket_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, int]]:
