@@ -372,7 +372,7 @@ async def _profile(n_conversations: int) -> dict[str, Any]:
             encoder = service.prompt_cache
             encoder.encode_within = timed("tokenization", encoder.encode_within)
         render_module.validate_model = timed("request validation (pydantic)", wire.validate_model)
-        render_module.dump_json = timed("JSON answer", wire.dump_json)
+        render_module.dump_json_ids = timed("JSON answer", wire.dump_json_ids)
         for body in bodies[:10]:
             await service.chat(body)
         spent.clear()

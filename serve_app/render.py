@@ -26,7 +26,7 @@ from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import BadRequestError
 from serve_app.heap import freeze_startup_heap
 from serve_app.render_cache import DEFAULT_MAX_BYTES
-from serve_app.wire import dump_json, load_body, validate_model
+from serve_app.wire import dump_json, dump_json_ids, load_body, validate_model
 
 __all__ = ["OPENAI_ROLES", "Render", "RenderService", "check_roles", "template_roles"]
 
@@ -69,6 +69,11 @@ def _always_emit_max_tokens(generate_request: Any, dumped: dict[str, Any]) -> di
     if isinstance(params, dict) and "max_tokens" not in params:
         params["max_tokens"] = generate_request.sampling_params.max_tokens
     return dumped
+
+
+def _generate_request_json(generate_request: Any) -> bytes:
+    """A rendered ``GenerateRequest`` as vLLM's route writes it (:func:`serve_app.wire.dump_json_ids`)."""
+    return dump_json_ids(_always_emit_max_tokens(generate_request, generate_request.model_dump()), "token_ids")
 
 
 async def _validated(validate: Any, token_ids: list[int]) -> None:
@@ -130,7 +135,7 @@ class RenderService:
 
     async def chat(self, body: bytes, request_id: str | None = None) -> bytes:
         out = await self._run(self._chat, self.state.serving_render.render_chat_request, body, RawRequest.with_request_id(request_id))
-        return dump_json(_always_emit_max_tokens(out, out.model_dump()))
+        return _generate_request_json(out)
 
     async def completion(self, body: bytes, request_id: str | None = None) -> bytes:
         render = self.state.serving_render.render_completion_request
@@ -140,21 +145,21 @@ class RenderService:
         validate = self.state.online_renderer.renderer.validate_token_ids
         for item in out:
             await call_vllm(_validated(validate, item.token_ids), self._error_cls)
-        return dump_json([_always_emit_max_tokens(item, item.model_dump()) for item in out])
+        return b"[" + b",".join(_generate_request_json(item) for item in out) + b"]"  # dump_json of the list
 
     async def messages(self, body: bytes, request_id: str | None = None) -> bytes:
         render = self.state.serving_render.render_messages_request
         out = await self._run(self._messages, render, body, RawRequest.with_request_id(request_id))
-        return dump_json(_always_emit_max_tokens(out, out.model_dump()))
+        return _generate_request_json(out)
 
     async def responses(self, body: bytes, request_id: str | None = None) -> bytes:
         out = await self._run(self._responses, self.state.serving_render.render_responses_request, body, None)
-        return dump_json(_always_emit_max_tokens(out, out.model_dump()))
+        return _generate_request_json(out)
 
     async def tokenize(self, body: bytes, request_id: str | None = None) -> bytes:
         tokenization = self.state.serving_tokenization
         out = await self._run(self._tokenize, tokenization.create_tokenize, body, RawRequest.with_request_id(request_id))
-        return dump_json(out.model_dump())
+        return dump_json_ids(out.model_dump(), "tokens")
 
     async def detokenize(self, body: bytes, request_id: str | None = None) -> bytes:
         tokenization = self.state.serving_tokenization

@@ -20,6 +20,7 @@ __all__ = [
     "check_json_content_type",
     "dump_json",
     "dump_json_floatless",
+    "dump_json_ids",
     "forwarded_headers",
     "load_answer",
     "load_body",
@@ -59,6 +60,34 @@ def dump_json_floatless(content: Any) -> bytes:
         return orjson.dumps(content)
     except (TypeError, orjson.JSONEncodeError):  # e.g. an int beyond 64 bits: the reference path
         return dump_json(content)
+
+
+_INT_LIST_BYTES = b"0123456789,-[]"
+
+
+def dump_json_ids(content: dict[str, Any], key: str) -> bytes:
+    """``dump_json(content)``, byte for byte, with ``content[key]`` (a prompt's token ids) written by
+    orjson: ~15x faster on a long list of ints, which is most of a render answer's bytes.
+
+    ``json.dumps`` writes a dict as ``{`` + the items joined by ``,`` + ``}``, in order, so the items
+    before and after ``key`` are written by ``dump_json`` itself and only the list is orjson's. That
+    list is used only when orjson's bytes are plain ints (digits, minus signs, commas, brackets: no
+    float, bool or string, which the two write differently or not at all); else all of it is ``dump_json``.
+    """
+    ids = content.get(key)
+    if type(ids) is list and len(ids) >= 64:
+        try:
+            fast = orjson.dumps(ids)
+        except orjson.JSONEncodeError:  # an int past 64 bits
+            fast = b""
+        if fast and not fast.translate(None, _INT_LIST_BYTES):
+            keys = list(content)
+            at = keys.index(key)
+            before = dump_json({k: content[k] for k in keys[:at]})[1:-1]
+            after = dump_json({k: content[k] for k in keys[at + 1 :]})[1:-1]
+            items = [part for part in (before, dump_json(key) + b":" + fast, after) if part]
+            return b"{" + b",".join(items) + b"}"
+    return dump_json(content)
 
 
 def load_answer(raw: bytes | bytearray) -> Any:

@@ -14,6 +14,7 @@ from serve_app.wire import (
     check_engine_ints,
     dump_json,
     dump_json_floatless,
+    dump_json_ids,
     load_answer,
     load_body,
     parse_json,
@@ -31,6 +32,45 @@ def test_floatless_dump_equals_starlette_for_every_code_point():
 
 def test_floatless_dump_falls_back_beyond_64_bit_ints():
     assert dump_json_floatless({"ids": [2**70]}) == dump_json({"ids": [2**70]})
+
+
+_ANY = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=400, deadline=None, database=None)
+@given(
+    before=st.dictionaries(st.text(max_size=9), _ANY, max_size=3),
+    after=st.dictionaries(st.text(max_size=9), _ANY, max_size=3),
+    ids=st.lists(st.integers(min_value=-(2**70), max_value=2**70) | st.sampled_from([True, 1.5, 1e16, "7"]), min_size=60, max_size=90)
+    | st.lists(st.integers(min_value=-1, max_value=300_000), min_size=60, max_size=300),
+)
+def test_ids_dump_equals_starlette(before, after, ids):
+    """Whatever surrounds the list (floats and the key itself nested, before and after) and whatever it
+    holds (big ints, bools, floats, strings: each written by json instead), the bytes are dump_json's."""
+    content = {**{k: v for k, v in before.items() if k != "token_ids"}, "token_ids": ids,
+               **{k: v for k, v in after.items() if k not in before and k != "token_ids"}}
+    try:
+        expected = dump_json(content)
+    except ValueError:  # NaN and infinity: json refuses them, and so must the fast path
+        with pytest.raises(ValueError):
+            dump_json_ids(content, "token_ids")
+        return
+    assert dump_json_ids(content, "token_ids") == expected
+
+
+@pytest.mark.parametrize("content", [
+    {"request_id": "chatcmpl-x", "token_ids": list(range(100)), "sampling_params": {"temperature": 1e-5, "top_p": 0.95}},
+    {"a": 'é\u2028"token_ids":null', "x": {"token_ids": None}, "token_ids": list(range(-5, 95)), "y": [1e16]},
+    {1: "an int key", "token_ids": list(range(100))},
+    {"token_ids": list(range(10))},  # short: all of it json
+    {"token_ids": [2**63 + 1] * 70},  # past 64 bits: orjson refuses, json writes it
+])
+def test_ids_dump_equals_starlette_on_edge_cases(content):
+    assert dump_json_ids(content, "token_ids") == dump_json(content)
 
 
 @pytest.mark.parametrize(
