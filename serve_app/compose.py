@@ -18,7 +18,6 @@ derender ``feed`` (tens of microseconds without parsers), one JSON dump for the 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -29,7 +28,7 @@ from serve_app.health import replica_gone, routable
 from serve_app.logs import get_logger
 from serve_app.streaming import cancel_on_close, peek
 from serve_app.timeouts import within
-from serve_app.wire import stream_flag
+from serve_app.wire import load_answer, stream_flag
 
 if TYPE_CHECKING:
     from serve_app.config import AppArgs, ResolvedModel
@@ -213,10 +212,10 @@ class ComposedService:
         stream = stream_flag(body)
         rendered = await within(self.stages.render_chat(body, request_id), self.render_timeout_s, "Render", self.stages.render_routable)
         self._engine_reachable()
-        gen = _no_detokenize(json.loads(rendered))
+        gen = _no_detokenize(load_answer(rendered))
         prompt_ids = gen["token_ids"]
         if not stream:
-            response = json.loads(await self._generate(gen))
+            response = load_answer(await self._generate(gen))
             response["request_id"] = gen["request_id"]
             self._fix_stop_reason(response["choices"], gen)
             whole = {
@@ -257,12 +256,12 @@ class ComposedService:
         rendering = self.stages.render_completion(body, request_id)
         rendered = await within(rendering, self.render_timeout_s, "Render", self.stages.render_routable)
         self._engine_reachable()
-        gens = [_no_detokenize(g) for g in json.loads(rendered)]
+        gens = [_no_detokenize(g) for g in load_answer(rendered)]
         if not stream:
             responses = await _gather_or_cancel([self._generate(g) for g in gens])
             parsed = []
             for gen, raw in zip(gens, responses, strict=True):
-                response = json.loads(raw)
+                response = load_answer(raw)
                 response["request_id"] = _base_id(gens, gen)
                 self._fix_stop_reason(response["choices"], gen)
                 parsed.append(response)
