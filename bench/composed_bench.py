@@ -164,13 +164,11 @@ def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, 
     return dict(roles)
 
 
-def split_cores(groups: dict[int, str]) -> dict[str, Any]:
-    """``--split-cores``: every thread of both engines' model processes onto the last CPU, every other process
-    this run started (and this one, so the clients it starts inherit it) onto the rest. Called before each
-    case, so a process or thread started since is placed too."""
-    cpus = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
-    if len(cpus) < 2:
-        raise SystemExit("--split-cores needs at least 2 CPUs")
+def split_cores(groups: dict[int, str], cpus: list[int]) -> dict[str, Any]:
+    """``--split-cores``: every thread of both engines' model processes onto the last of ``cpus`` (the CPUs this
+    run may use, read before the first call moved this process), every other process this run started (and
+    this one, so the clients it starts inherit it) onto the rest. Called before each case, so a process or
+    thread started since is placed too."""
     engine, rest = {cpus[-1]}, set(cpus[:-1])
     threads: Counter[str] = Counter()
     threads["driver"] = pin_threads(os.getpid(), rest)
@@ -228,7 +226,7 @@ async def run_case(system: str, base: str, model_dir: str, c: int, prompts: int,
     progress(f"[{time.perf_counter() - run_start:6.0f} s] {tag}: {prompts} prompts")
     profiling = []
     if opts.split_cores:
-        data["setup"]["split_cores"] = split_cores(groups)
+        data["setup"]["split_cores"] = split_cores(groups, opts.cpus)
     ttft_before, engine_before = await asyncio.to_thread(server_metrics, base, SERVER_TTFT[system])
     before = by_role(proc_cpu(), groups)
     t0 = time.perf_counter()
@@ -522,6 +520,9 @@ def main(argv: list[str] | None = None) -> None:
     opts.out = opts.out or RESULTS / ("composed" + ("" if opts.workload == "random" else f"-{opts.workload}")
                                       + ("-split" if opts.split_cores else ""))
     systems = listed(ap, opts.systems, SYSTEMS)
+    opts.cpus = sorted(os.sched_getaffinity(0))  # what this run may use, before --split-cores moves anything
+    if opts.split_cores and len(opts.cpus) < 2:
+        ap.error("--split-cores needs at least 2 CPUs")
 
     os.environ.update(make_run_env())
     prepare_driver()
