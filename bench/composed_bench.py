@@ -305,6 +305,16 @@ def _split_line(split: dict[str, Any]) -> str:
             f"(threads placed by role before the last case: {split.get('threads_by_role')})")
 
 
+def _ordered(cases: Any) -> list[dict[str, Any]]:
+    """Report rows in table order: by concurrency, then system."""
+    return sorted(cases, key=lambda r: (r["concurrency"], r["system"]))
+
+
+def _with_total(cases: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """The cases whose servers reported ``name`` (one of :data:`ENGINE_TOTALS`), in table order."""
+    return _ordered(r for r in cases if (r.get("engine_totals") or {}).get(name))
+
+
 def _over(buckets: dict[str, int] | None, le: str) -> str:
     """Requests over ``le`` seconds in a case's cumulative bucket counts ("–": not measured)."""
     if not buckets or le not in buckets:
@@ -374,7 +384,7 @@ def render_report(data: dict[str, Any]) -> str:
                   "ours' Ingress (`serve_app_time_to_first_token_seconds`, arrival to first chunk with tokens) and each "
                   "engine's (`vllm:time_to_first_token_seconds`), from the servers' /metrics before and after the case.", "",
                   "| system | c | requests | client | Ingress | engine |", "|---|---|---|---|---|---|"]
-        for r in sorted(tails, key=lambda r: (r["concurrency"], r["system"])):
+        for r in _ordered(tails):
             b = r.get("server_ttft_buckets", {})
             lines.append(f"| {r['system']} | {r['concurrency']} | {len(r['ttfts_ms'])} | {sum(t > 100 for t in r['ttfts_ms'])} | "
                          f"{_over(b.get('serve_app_time_to_first_token_seconds'), '0.1')} | "
@@ -396,18 +406,17 @@ def render_report(data: dict[str, Any]) -> str:
         "| system | c | " + " | ".join(keep) + " | serving tier (vLLM: its API server; ours: all Ray processes but the EngineCore) |",
         "|---|---|" + "---|" * (len(keep) + 1),
     ]
-    for r in sorted(data["cases"], key=lambda r: (r["concurrency"], r["system"])):
+    for r in _ordered(data["cases"]):
         cpu = r.get("cpu_ms_per_token", {})
         lines.append(f"| {r['system']} | {r['concurrency']} | " + " | ".join(fmt(cpu.get(k), 3) for k in keep) + f" | {fmt(_tier(r), 3)} |")
-    stepped = [r for r in data["cases"] if (r.get("engine_totals") or {}).get("vllm:iteration_tokens_total_count")]
-    if stepped:
+    if stepped := _with_total(data["cases"], "vllm:iteration_tokens_total_count"):
         lines += ["", "## Engine steps", "",
                   "vLLM's own counters from each server's /metrics over the case (`vllm:iteration_tokens_total`: tokens "
                   "scheduled per engine step, prefill and decode; `vllm:num_preemptions_total`), with the engine core's CPU "
                   "(the table above) per step: fewer tokens per step is a smaller batch, more CPU per step a slower one.", "",
                   "| system | c | steps | tokens per step | output tokens per step | preemptions | engine-core CPU ms per step |",
                   "|---|---|---|---|---|---|---|"]
-        for r in sorted(stepped, key=lambda r: (r["concurrency"], r["system"])):
+        for r in stepped:
             t = r["engine_totals"]
             steps = t["vllm:iteration_tokens_total_count"]
             core = r.get("cpu_ms_per_token", {}).get("vllm engine-core" if r["system"] == "vllm" else "engine-core")
@@ -415,8 +424,7 @@ def render_report(data: dict[str, Any]) -> str:
             lines.append(f"| {r['system']} | {r['concurrency']} | {steps:.0f} | {fmt(t['vllm:iteration_tokens_total_sum'] / steps)} | "
                          f"{fmt(t.get('vllm:generation_tokens_total', 0.0) / steps)} | {t.get('vllm:num_preemptions_total', 0.0):.0f} | "
                          f"{fmt(per_step, 3)} |")
-    timed = [r for r in data["cases"] if (r.get("engine_totals") or {}).get("vllm:time_to_first_token_seconds_count")]
-    if timed:
+    if timed := _with_total(data["cases"], "vllm:time_to_first_token_seconds_count"):
         lines += ["", "## Where the time to first token goes (means over the case, ms)", "",
                   "The client's (`vllm bench serve`), ours' Ingress (arrival to first chunk with tokens), and the engine's "
                   "own (vLLM's histograms: from the request's arrival in the engine's front end to its first token; of "
@@ -427,7 +435,7 @@ def render_report(data: dict[str, Any]) -> str:
             n = t.get(f"{name}_count")
             return t[f"{name}_sum"] / n * 1e3 if n else None
 
-        for r in sorted(timed, key=lambda r: (r["concurrency"], r["system"])):
+        for r in timed:
             t = r["engine_totals"]
             lines.append(f"| {r['system']} | {r['concurrency']} | {fmt(r.get('mean_ttft_ms'))} | "
                          f"{fmt(mean_ms(t, 'serve_app_time_to_first_token_seconds')) if r['system'] == 'ours' else '–'} | "
