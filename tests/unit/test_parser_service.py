@@ -392,6 +392,62 @@ def test_request_cache_is_exact_when_two_threads_fill_it(service):
     assert svc.request_bytes == sum(c.size for c in svc.configs.values()) <= 30_000
 
 
+def _lexer(parser):
+    """The special-token lexer vLLM's engine-based reasoning parser (qwen3 here) built for itself."""
+    engine = parser._reasoning_parser._parser_engine._engine
+    return engine.config, engine._lexer._shape, engine._resolved_token_ids
+
+
+def _shape_fields(shape) -> tuple:
+    terminals = [(t.name, t.pattern.pattern, t.is_literal, t.literal) for t in shape.terminals]
+    return terminals, shape.literal_strings, shape.literal_first_chars, shape.prefix_set, shape.literals_by_first
+
+
+def test_parsers_share_the_special_token_lexer_vllm_would_build_for_each(service, ids, monkeypatch):
+    """``SharedDropInfo``: parsers of one config and tokenizer get one lexer, equal field for field to
+    the one vLLM's own function builds, and an output parses the same with vLLM's function put back."""
+    from vllm.parser.engine import streaming_parser_engine as engine
+
+    from serve_app._vllm import SharedDropInfo
+
+    shared = engine._build_drop_info
+    assert isinstance(shared, SharedDropInfo)
+    request = service.kit.ChatCompletionRequest.model_validate(CHAT_REQUEST)
+    (config, shape, token_ids), (config2, shape2, token_ids2) = (_lexer(service.kit.new_parser(request, {})) for _ in range(2))
+    assert config is config2 and shape is shape2 and token_ids == token_ids2
+    own = shared.__wrapped__(config, service.kit.tokenizer)
+    assert own.lexer_shape is not shape and _shape_fields(own.lexer_shape) == _shape_fields(shape)
+    assert own.extra_token_ids.items() <= token_ids.items() and len(own.extra_token_ids) > 0
+
+    prompt, output = ids
+
+    def parsed() -> str:  # a whole answer and a stream, their random tool-call ids left out
+        out = _whole(service, prompt, output), _stream(service, prompt, output, step=3)
+        assert out[0]["message"]["tool_calls"] and out[0]["message"]["reasoning"]
+        return re.sub(r"chatcmpl-tool-[0-9a-f]+", "<id>", json.dumps(out))
+
+    with_shared = parsed()
+    monkeypatch.setattr(engine, "_build_drop_info", shared.__wrapped__)
+    assert parsed() == with_shared
+
+
+def test_shared_lexers_are_bounded_and_rebuilt_once_evicted(service):
+    from dataclasses import replace
+
+    from serve_app._vllm import SharedDropInfo
+
+    built: list[object] = []
+    shared = SharedDropInfo(lambda config, tok: built.append(config) or object())
+    config = _lexer(service.kit.new_parser(service.kit.ChatCompletionRequest.model_validate(CHAT_REQUEST), {}))[0]
+    configs = [replace(config) for _ in range(SharedDropInfo.ENTRIES + 1)]
+    first = shared(configs[0], service.kit.tokenizer)
+    assert shared(configs[0], service.kit.tokenizer) is first and len(built) == 1
+    for c in configs[1:]:
+        shared(c, service.kit.tokenizer)
+    assert len(shared.built) == SharedDropInfo.ENTRIES and len(built) == len(configs)
+    assert shared(configs[0], service.kit.tokenizer) is not first and len(built) == len(configs) + 1  # evicted, built again
+
+
 def _stream_chunk(request_id: str, prompt: list[int], ids: list[int], state: dict | None) -> dict:
     body = _chunk(prompt, ids, state)
     body["generate_chunk"]["request_id"] = request_id
