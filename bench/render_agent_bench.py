@@ -22,6 +22,11 @@ Systems, one after the other (only one takes traffic at a time):
 turn) two systems both rendered, the token ids must be identical; the report counts the comparisons.
 
 Results: ``bench/results/render_agent.md`` / ``.json`` / ``.png`` (req/s and p50 / p99 against concurrency).
+
+``--profile`` instead measures one ``RenderService`` in this process (no HTTP, no Ray): CPU per render by
+stage, cache off and on, then vLLM's parser set-up with its special-token lexer shared
+(``serve_app._vllm.SharedDropInfo``) against built per parser, in alternating passes
+(``bench/results/render_agent_profile.{md,json}``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import os
 import subprocess
 import time
@@ -389,7 +395,30 @@ async def _profile(n_conversations: int) -> dict[str, Any]:
             out[label]["cache"] = {"hit_chars": st.hit_chars, "miss_chars": st.miss_chars, "bytes": service.prompt_cache.cache.bytes}
         progress(f"{label}: {total / n * 1e3:.2f} ms CPU per request: "
                  + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
+    out["parser set-up"] = await _parser_setup_ab(service, bodies)
     return out
+
+
+async def _parser_setup_ab(service: Any, bodies: list[bytes], passes: int = 4) -> dict[str, float]:
+    """CPU ms per render (cache on) with vLLM's parsers sharing one special-token lexer per tokenizer
+    (``serve_app._vllm.SharedDropInfo``, as the app runs) and with vLLM's own function building it per
+    parser: alternating passes over the same requests, best of each."""
+    from vllm.parser.engine import streaming_parser_engine as engine
+
+    shared = engine._build_drop_info
+    best = {"shared": math.inf, "per parser": math.inf}
+    try:
+        for _ in range(passes):
+            for label, build in (("shared", shared), ("per parser", shared.__wrapped__)):
+                engine._build_drop_info = build
+                cpu0 = time.process_time()
+                for body in bodies:
+                    await service.chat(body, "profile")
+                best[label] = min(best[label], (time.process_time() - cpu0) / len(bodies) * 1e3)
+    finally:
+        engine._build_drop_info = shared
+    progress(f"parser set-up: {best['shared']:.2f} ms CPU per render shared, {best['per parser']:.2f} per parser")
+    return best
 
 
 def render_profile(data: dict[str, Any]) -> str:
@@ -410,6 +439,13 @@ def render_profile(data: dict[str, Any]) -> str:
         share = cache["miss_chars"] / max(1, cache["hit_chars"] + cache["miss_chars"])
         lines += ["", f"Cache on: {p['cache on']['cache_status']}; {100 * share:.1f}% of the prompt characters were "
                   f"tokenized, the rest came from cached pieces ({cache['bytes'] / 2**20:.1f} MiB held)."]
+    setup = p.get("parser set-up")
+    if setup:
+        lines += ["", "vLLM's parser set-up (twice per render): alternating passes over the same requests again (every "
+                  "prompt piece is cached by now, hence less than the total above; the stage timers still in place), best "
+                  f"of each: {setup['shared']:.2f} ms of CPU per render with one special-token lexer shared per tokenizer "
+                  f"(`serve_app._vllm.SharedDropInfo`, as the app runs), {setup['per parser']:.2f} ms with vLLM building "
+                  "it for every parser."]
     lines.append("")
     return "\n".join(lines)
 
