@@ -262,6 +262,44 @@ def test_slow_clients_are_answered_and_closed_not_held(served):
     assert httpx.get(f"{URL}/health", timeout=10).status_code == 200
 
 
+def _ray_series(name: str, **labels: str) -> float:
+    """The sum of one of Ray's series over every metrics target this node's Ray lists for Prometheus
+    (``prom_metrics_service_discovery.json``, the file Ray's docs point Prometheus at)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    (group,) = json.loads(Path("/tmp/ray/session_latest/prom_metrics_service_discovery.json").read_text())
+    total = 0.0
+    for target in group["targets"]:
+        try:
+            text = httpx.get(f"http://{target}/metrics", timeout=10).text
+        except httpx.TransportError:
+            continue
+        for family in text_string_to_metric_families(text):
+            total += sum(s.value for s in family.samples if s.name == name and labels.items() <= s.labels.items())
+    return total
+
+
+def test_serves_http_series_count_requests_with_haproxys_metrics_log_off(served):
+    """make run turns off HAProxy's per-request metrics log line (the Makefile's SERVE_ENV): the Ingress
+    replicas then count Serve's HTTP series themselves, under the names the dashboard and alerts query."""
+    assert _makefile_serve_env()["RAY_SERVE_HAPROXY_METRICS_ENABLED"] == "0"
+    series = {"application": "serve_app", "route": "/tokenize", "method": "POST"}
+    before = _ray_series("ray_serve_num_http_requests_total", **series)
+    bad_before = _ray_series("ray_serve_num_http_error_requests_total", **series)
+    for _ in range(3):
+        assert httpx.post(f"{URL}/tokenize", json={"model": "qwen3-tiny", "prompt": "hi"}, timeout=30).status_code == 200
+    assert httpx.post(f"{URL}/tokenize", json={"model": "qwen3-tiny"}, timeout=30).status_code == 400
+    # Replicas push each second and Ray's agent exports on its own cycle, so `before` may still lack an
+    # earlier test's requests: at least these, then.
+    deadline = time.monotonic() + 60
+    while True:
+        counts = [_ray_series(f"ray_serve_num_http_{kind}_total", **series) for kind in ("requests", "error_requests")]
+        if counts[0] >= before + 4 and counts[1] >= bad_before + 1:
+            break
+        assert time.monotonic() < deadline, (before, bad_before, counts)
+        time.sleep(1)
+
+
 # --- the composed API as make run serves it: the Ingress reaches the Engine over Serve's gRPC ---
 
 
