@@ -89,3 +89,24 @@ def test_a_routable_call_runs_to_its_answer_and_a_cancelled_caller_cancels_it():
         return slow.cancelled
 
     assert asyncio.run(run())
+
+
+def test_a_deadline_only_call_keeps_its_own_errors_and_a_cancelled_caller_cancels_it():
+    """The colocated stages' path (a deadline, no ``routable``): the call's own TimeoutError is not the
+    deadline's 504, and a caller that goes away cancels the call."""
+
+    async def own_timeout() -> str:
+        raise TimeoutError("the stage's own")
+
+    async def run() -> bool:
+        with pytest.raises(TimeoutError, match="the stage's own"):
+            await within(own_timeout(), 60, "x")
+        slow = SlowCall()
+        waiter = asyncio.ensure_future(within(slow, 60, "x"))
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        return slow.cancelled
+
+    assert asyncio.run(run())
