@@ -51,7 +51,7 @@ from bench.common.paths import LOGS, RESULTS
 from bench.common.plots import pyplot
 from bench.common.report import cli, fmt, listed, machine_info, machine_line, options_json, ratio, rerender, write_results
 from bench.common.serve_cluster import make_run_env, prepare_driver, shipped_colocate, vllm_and_ours
-from bench.common.servers import SCRIPTED_PROCESSOR, VllmServe, shown
+from bench.common.servers import SCRIPTED_PROCESSOR, VllmServe, shown, spawn_group
 
 MODEL = "qwen3-tiny"
 KV_BYTES = 1 << 30  # serve_config.yaml
@@ -235,7 +235,7 @@ async def run_case(system: str, base: str, model_dir: str, c: int, prompts: int,
     with log_path.open("w") as log:
         # The client writes to its log file, copied to stderr as it grows: no pipe this process must drain for
         # the client to go on (a pipe was one suspect for its c=1 TTFT tail; the tail stayed without it).
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = spawn_group(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         groups[proc.pid] = "client"
         if opts.profile and system == "ours" and c == max(opts.concurrency):
             await asyncio.sleep(3)  # past the first requests' prefill

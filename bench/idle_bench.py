@@ -24,7 +24,7 @@ from bench.common.cpu import cpu_by_role, proc_cpu
 from bench.common.paths import LOGS, REPO, RESULTS
 from bench.common.report import machine_info, machine_line, write_results
 from bench.common.serve_cluster import make_run_env
-from bench.common.servers import kill_group, wait_http_blocking
+from bench.common.servers import kill_group, spawn_group, wait_http_blocking
 
 RAY_DEFAULT_MS = "100"
 
@@ -37,8 +37,8 @@ def measure(interval_ms: str, window_s: float) -> dict[str, Any]:
     env = {**os.environ, **make_run_env(), "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": interval_ms, "RAY_AUTH_MODE": "disabled"}
     LOGS.mkdir(parents=True, exist_ok=True)
     with (LOGS / f"idle-{interval_ms}.log").open("w") as out:
-        proc = subprocess.Popen([str(Path(sys.executable).with_name("serve")), "run", "serve_config.yaml"], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = spawn_group([str(Path(sys.executable).with_name("serve")), "run", "serve_config.yaml"], cwd=REPO, env=env,
+                           stdout=out, stderr=subprocess.STDOUT)
         try:
             t0 = time.monotonic()
             wait_http_blocking("http://127.0.0.1:8000/ready", 600, proc)

@@ -56,7 +56,7 @@ from bench.common.parser_stream import parser_workload as workload  # noqa: E402
 from bench.common.paths import LOGS, REPO, RESULTS  # noqa: E402
 from bench.common.report import machine_info  # noqa: E402
 from bench.common.serve_cluster import session_outcomes as parse_outcomes  # noqa: E402
-from bench.common.servers import free_port, kill_group, vllm_render_argv, wait_http_blocking  # noqa: E402
+from bench.common.servers import free_port, kill_group, spawn_group, vllm_render_argv, wait_http_blocking  # noqa: E402
 from bench.common.workloads import CHAT_REQUEST, joined  # noqa: E402
 
 APP: dict[str, Any] = PARSER_APP
@@ -131,7 +131,7 @@ def run_vllm(w1000: tuple[list[int], list[int]], w4000: tuple[list[int], list[in
     LOGS.mkdir(parents=True, exist_ok=True)
     with (LOGS / "parser-vllm.log").open("w") as out:
         argv = [*vllm_render_argv(APP), "--port", str(port)]
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        proc = spawn_group(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
     url = f"{base}/v1/chat/completions/derender"
     try:

@@ -57,7 +57,7 @@ from bench.common.serve_cluster import (
     start_app,
     wait_haproxy_up,
 )
-from bench.common.servers import VllmRender, free_port, kill_group, shown, wait_http
+from bench.common.servers import VllmRender, free_port, kill_group, shown, spawn_group, wait_http
 
 MAX_MODEL_LEN = 10240
 APP_ARGS: dict[str, Any] = {"model": "qwen3-tiny", "tool_call_parser": "hermes", "reasoning_parser": "qwen3",
@@ -164,8 +164,7 @@ def start_haproxy(port: int, backends: list[int]) -> subprocess.Popen:
     cfg = LOGS / "render_agent_haproxy.cfg"
     cfg.write_text(HAPROXY_CFG.format(port=port, servers=servers))
     log = (LOGS / "render_agent_haproxy.log").open("w")
-    return subprocess.Popen([get_haproxy_binary(), "-f", str(cfg), "-db"], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return spawn_group([get_haproxy_binary(), "-f", str(cfg), "-db"], stdout=log, stderr=subprocess.STDOUT)
 
 
 def run_vllm(opts: argparse.Namespace) -> dict[str, Any]:

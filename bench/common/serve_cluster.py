@@ -19,7 +19,7 @@ from typing import Any, Callable, Coroutine, Iterator, NoReturn
 
 from bench.common.paths import REPO
 from bench.common.ray_internals import haproxy_replicas_up
-from bench.common.servers import free_port, kill_group, wait_http
+from bench.common.servers import free_port, kill_group, spawn_group, wait_http
 from tests.harness.metrics import session_outcomes as session_outcomes  # re-exported for the benches
 
 APP_NAME = "serve_app"
@@ -253,7 +253,7 @@ def run_worker_process(module: str, cfg: dict[str, Any], passthrough: list[str],
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pythonpath, **cfg["env"]}
     cmd = [sys.executable, "-m", module, "--worker", json.dumps(cfg), *passthrough]
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, cwd=REPO, start_new_session=True, text=True)
+        proc = spawn_group(cmd, stdout=subprocess.PIPE, stderr=log, env=env, cwd=REPO, text=True)
         try:
             assert proc.stdout is not None
             for line in proc.stdout:

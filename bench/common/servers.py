@@ -8,9 +8,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from bench.common.paths import LOGS
 from tests.harness.net import free_port as free_port  # re-exported: the benches take it from here
@@ -53,6 +54,23 @@ def wait_http_blocking(url: str, timeout_s: float, proc: subprocess.Popen | None
             pass
         time.sleep(1)
     raise TimeoutError(url)
+
+
+def spawn_group(argv: list[str], **kwargs: Any) -> subprocess.Popen:
+    """``Popen(argv, start_new_session=True, **kwargs)``: a server in its own process group, which the
+    bench stops with :func:`kill_group` in a ``finally`` (a Ctrl-C in the terminal reaches only the bench).
+
+    A SIGTERM (``timeout``, a CI runner) would end Python without running those ``finally`` blocks and
+    leave the group running (a vLLM server holds a GiB or more): so this also makes SIGTERM unwind the
+    bench as Ctrl-C does, once, from the main thread, unless the bench set its own handler.
+    """
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    return subprocess.Popen(argv, start_new_session=True, **kwargs)
+
+
+def _exit_on_sigterm(signum: int, _frame: Any) -> NoReturn:
+    raise SystemExit(128 + signum)
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -110,8 +128,8 @@ class VllmRender:
         LOGS.mkdir(parents=True, exist_ok=True)
         log = (LOGS / self.log_name).open("w")
         self._t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, start_new_session=True)
+        self.proc = spawn_group(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
 
     async def wait_ready(self, timeout: float = 300) -> float:
         """Wait until ``/health`` answers; returns (and keeps) the seconds since :meth:`launch`."""
@@ -144,7 +162,7 @@ def start_logged(argv: list[str], log_path: Path) -> subprocess.Popen:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with log_path.open("w") as log:
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return spawn_group(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 class VllmServe(VllmRender):

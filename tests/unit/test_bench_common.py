@@ -122,3 +122,50 @@ def test_pin_threads_moves_every_thread_of_a_process():
         child.kill()
         child.wait()
     assert pin_threads(child.pid, {cpus[0]}) == 0  # a process that is gone moves nothing
+
+
+def test_a_bench_stopped_by_sigterm_stops_the_servers_it_started(tmp_path):
+    """``spawn_group``'s servers run in their own process group, out of reach of a signal to the bench;
+    a SIGTERM to the bench (``timeout``, a CI runner) must still run the ``finally`` that stops them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    pid_file = tmp_path / "server.pid"
+    script = tmp_path / "bench.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(repo)!r})\n"
+        "from bench.common.servers import kill_group, spawn_group\n"
+        "server = spawn_group([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(server.pid))\n"
+        "try:\n"
+        "    time.sleep(600)\n"
+        "finally:\n"
+        "    kill_group(server)\n"
+    )
+    bench = subprocess.Popen([sys.executable, str(script)])
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert bench.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    server = int(pid_file.read_text())
+    try:
+        os.kill(server, 0)  # the server runs
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM  # unwound by the handler, not killed outright
+        try:
+            os.kill(server, 0)
+        except ProcessLookupError:
+            return
+        raise AssertionError("the server outlived the bench")
+    finally:
+        bench.kill()
+        try:
+            os.killpg(server, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
