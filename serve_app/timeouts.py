@@ -56,8 +56,8 @@ async def within(
 
 
 async def _by_deadline(call: Awaitable[T], timeout_s: float, stage: str) -> T:
-    """``within`` with a deadline only (every colocated stage's call): awaited in the caller's task, no
-    second task and ``asyncio.wait``, which cost more than a one-token derender chunk's own work."""
+    """``within`` with a deadline only (every colocated stage's call): awaited in the caller's task, without
+    the second task and ``asyncio.wait`` of the watched path (half the overhead, one loop pass less)."""
     deadline = asyncio.timeout(timeout_s)
     try:
         async with deadline:
