@@ -29,25 +29,21 @@ async def within(
 ) -> T:
     """``await call``, for at most ``timeout_s`` seconds (``None``: no deadline), and only while
     ``routable()`` (when given) says the stage has a replica the call can reach."""
-    if timeout_s is None and routable is None:
-        return await call
-    if routable is None and timeout_s is not None:
-        return await _by_deadline(call, timeout_s, stage)
+    if routable is None:
+        return await (call if timeout_s is None else _by_deadline(call, timeout_s, stage))
+    # Watched: the call runs in its own task, polled for the deadline and for a replica to reach.
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
     task = asyncio.ensure_future(_awaited(call))
     try:
         while True:
-            wait = None if routable is None else ROUTABLE_POLL_S
-            if deadline is not None:
-                left = deadline - loop.time()
-                wait = left if wait is None else min(wait, left)
-            done, _ = await asyncio.wait((task,), timeout=max(wait, 0) if wait is not None else None)
+            wait = ROUTABLE_POLL_S if deadline is None else min(ROUTABLE_POLL_S, deadline - loop.time())
+            done, _ = await asyncio.wait((task,), timeout=max(wait, 0))
             if done:
                 return task.result()
             if deadline is not None and loop.time() >= deadline:
                 raise GatewayTimeoutError(f"{stage} did not answer within {timeout_s:g} s; retry later.")
-            if routable is not None and not routable():
+            if not routable():
                 raise ServiceUnavailableError(f"{stage} has no running replica; retry later.")
     finally:
         if not task.done():
