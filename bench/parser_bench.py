@@ -180,7 +180,7 @@ def session_outcomes(base: str) -> dict[str, float]:
 
 
 def run_ours(w1000: tuple[list[int], list[int]], w4000: tuple[list[int], list[int]]) -> dict[str, Any]:
-    from bench.common.serve_cluster import haproxy_replicas_up, make_run_env
+    from bench.common.serve_cluster import QUIET_LOGS, haproxy_replicas_up, make_run_env
 
     # make run's environment (SERVE_ENV and its front door), set before Ray starts: Ray's HAProxy manager
     # and the Ingress replicas, in processes of the cluster started below, read it from the environment.
@@ -194,13 +194,14 @@ def run_ours(w1000: tuple[list[int], list[int]], w4000: tuple[list[int], list[in
     port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # Logs as serve_config.yaml sets them: an access log line per chunk is ~2 % of the Ingress's CPU.
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=QUIET_LOGS)
         app_args = AppArgs(
             **APP,
             colocate_in_ingress=["render", "plain_derender", "parser_derender"],
             deployments={"ingress": {"num_replicas": 2}},
         )
-        serve.run(build_app(app_args), name="bench", route_prefix="/")
+        serve.run(build_app(app_args), name="bench", route_prefix="/", logging_config=QUIET_LOGS)
         deadline = time.monotonic() + 180
         while haproxy_replicas_up() < 2 and time.monotonic() < deadline:
             time.sleep(1)

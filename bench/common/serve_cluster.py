@@ -65,7 +65,8 @@ def shipped_app_args() -> dict[str, Any]:
         deployments[key] = {**deployments.get(key, {}), **entry}
     args["deployments"] = deployments
     return args
-_QUIET = {"log_level": "WARNING", "enable_access_log": False}
+QUIET_LOGS = {"log_level": "WARNING", "enable_access_log": False}
+"""Serve's ``logging_config`` as ``serve_config.yaml`` sets it: no access log line per request."""
 
 
 def prepare_driver() -> None:
@@ -90,7 +91,7 @@ def start_serve(*, port: int, namespace: str) -> float:
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace=namespace,
              logging_level="WARNING")
     ray_init_s = time.monotonic() - t0
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=_QUIET)
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=QUIET_LOGS)
     return ray_init_s
 
 
@@ -117,7 +118,7 @@ def start_app(make_app: Callable[[], Any], *, port: int, namespace: str) -> tupl
     t0 = time.monotonic()
     ray_init_s = start_serve(port=port, namespace=namespace)
     t1 = t0 + ray_init_s
-    serve.run(make_app(), name=APP_NAME, route_prefix="/", logging_config=_QUIET)
+    serve.run(make_app(), name=APP_NAME, route_prefix="/", logging_config=QUIET_LOGS)
     return ray_init_s, time.monotonic() - t1
 
 
