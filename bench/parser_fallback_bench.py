@@ -34,7 +34,7 @@ from typing import Any
 from bench.common.paths import RESULTS
 from bench.common.ray_internals import gcs_actors
 from bench.common.report import fmt, machine_info, machine_line, write_results
-from bench.common.serve_cluster import local_serve, prepare_driver
+from bench.common.serve_cluster import QUIET_LOGS, local_serve, prepare_driver
 
 OUT = RESULTS / "parser_fallback"
 APP = "parser_fallback_bench"
@@ -187,7 +187,7 @@ def _config(name: str, tok: Any, opts: argparse.Namespace, port: int) -> dict[st
         deployments={"parser_derender": {"autoscaling_config": {"min_replicas": 2, "max_replicas": 2, "initial_replicas": 2}}},
     )
     ensure_model("qwen3-tiny")
-    serve.run(build_app(args), name=APP, route_prefix="/", logging_config={"log_level": "WARNING", "enable_access_log": False})
+    serve.run(build_app(args), name=APP, route_prefix="/", logging_config=QUIET_LOGS)
     base = f"http://127.0.0.1:{port}"
     chat = {"messages": [{"role": "user", "content": "Weather in Paris and Tokyo?"}], "tools": TOOLS}
     prompt = httpx.post(f"{base}/v1/chat/completions/render", json=chat, timeout=60).json()["token_ids"]

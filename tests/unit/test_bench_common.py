@@ -169,3 +169,28 @@ def test_a_bench_stopped_by_sigterm_stops_the_servers_it_started(tmp_path):
             os.killpg(server, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_every_bench_serves_with_the_shipped_logging_config():
+    """A bench measures the app as ``make run`` serves it: Serve's ``logging_config`` from
+    serve_config.yaml (an access-log line per request is ~2 % of the Ingress's CPU per parser chunk),
+    passed to every ``serve.start`` and ``serve.run`` a bench makes."""
+    import ast
+
+    import yaml
+
+    from bench.common.paths import REPO
+    from bench.common.serve_cluster import QUIET_LOGS
+
+    shipped = yaml.safe_load((REPO / "serve_config.yaml").read_text())["logging_config"]
+    assert {k: shipped[k] for k in QUIET_LOGS} == QUIET_LOGS
+    calls = []
+    for path in sorted((REPO / "bench").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            func = node.func if isinstance(node, ast.Call) else None
+            if isinstance(func, ast.Attribute) and func.attr in ("run", "start") and ast.unparse(func.value) == "serve":
+                kwargs = {k.arg: ast.unparse(k.value) for k in node.keywords}
+                calls.append((path.name, node.lineno, kwargs.get("logging_config")))
+    assert len(calls) >= 4, calls  # serve_cluster's start and run, parser_bench's, parser_fallback_bench's
+    assert [c for c in calls if c[2] != "QUIET_LOGS"] == []
+
