@@ -286,3 +286,85 @@ def test_client_stream_keeps_each_stream_on_its_live_parser(scaling_app, stream_
     misses = sum(m for _, m in after.values()) - sum(m for _, m in before.values())
     assert (hits, misses) == (8 * (len(output) - 1), 0)
     assert sum(after[r][0] > before.get(r, (0, 0))[0] for r in after) == 2  # both replicas held streams
+
+
+_CAPPED_CLIENT = """
+import asyncio, json, sys
+import ray
+from serve_app.client import ServeAppClient
+
+address, request = sys.argv[1], json.loads(sys.stdin.read())
+ray.init(address=address, namespace="serve", log_to_driver=False)
+
+async def run():
+    stream = ServeAppClient("parser_scaling").derender_chat_stream(
+        chat_request=request["chat_request"], prompt_token_ids=request["prompt"])
+    chunks, transports = [], []
+    for i, tid in enumerate(request["output"]):
+        last = "stop" if i == len(request["output"]) - 1 else None
+        out = await stream.derender({"request_id": "capped", "choices": [{"index": 0, "token_ids": [tid], "finish_reason": last}]})
+        chunks.append(out["chunk"])
+        transports.append(stream.transport)
+    return {"chunks": chunks, "transports": transports}
+
+print(json.dumps(asyncio.run(run())))
+"""
+
+
+def test_client_stream_past_grpc_message_cap_carries_on_by_actor_calls(scaling_app, stream_inputs):
+    """A caller whose gRPC cap is below what a stream's answers grow to (its carried state): the
+    stream starts over gRPC, switches to Ray actor calls at the first answer past the cap, and its
+    chunks equal the HTTP route's. Run in a driver of its own with the cap lowered in its environment,
+    as a user's process would have it."""
+    import os
+    import subprocess
+    import sys
+
+    import ray
+
+    prompt, output = stream_inputs
+    sizes: list[int] = []
+    with httpx.Client(base_url=scaling_app, timeout=60) as c:
+
+        def post(body: dict) -> dict:
+            r = c.post("/v1/chat/completions/derender", json=body)
+            assert r.status_code == 200, r.text
+            sizes.append(len(r.content))
+            return r.json()
+
+        parts = token_chunks(split(output, 1), "capped")
+        over_http = [d["chunk"] for d in carry_state(post, parts, chat_request=CHAT_REQUEST, prompt_token_ids=prompt)]
+    cap = (sizes[0] + sizes[-1]) // 2  # the first answers fit, the last do not
+    env = {**os.environ, "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(cap)}
+    request = json.dumps({"chat_request": CHAT_REQUEST, "prompt": prompt, "output": output})
+    done = subprocess.run([sys.executable, "-c", _CAPPED_CLIENT, ray.get_runtime_context().gcs_address], input=request,
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    switched = got["transports"].index("actor")  # the fault: an answer past the cap
+    assert 0 < switched < len(output) - 1 and set(got["transports"][switched:]) == {"actor"}
+    assert [_normalize(c) for c in got["chunks"]] == [_normalize(c) for c in over_http]
+
+
+def test_client_stream_error_is_the_api_error(scaling_app, stream_inputs):
+    """A chunk the route answers with a 400 raises that :class:`ApiError` by handle too, over gRPC."""
+    import asyncio
+
+    from serve_app.client import ServeAppClient
+    from serve_app.errors import ApiError
+
+    prompt, output = stream_inputs
+    choices = [{"index": 0, "token_ids": output[:1]}, {"index": 1, "token_ids": output[:1]}]
+    with httpx.Client(base_url=scaling_app, timeout=60) as c:
+        r = c.post("/v1/chat/completions/derender", json=_chunk_body("bad", [], False, None, prompt) | {
+            "generate_chunk": {"request_id": "bad", "choices": choices}})
+    assert r.status_code == 400
+
+    async def by_handle() -> ApiError:
+        stream = ServeAppClient("parser_scaling").derender_chat_stream(chat_request=CHAT_REQUEST, prompt_token_ids=prompt)
+        with pytest.raises(ApiError) as info:
+            await stream.derender({"request_id": "bad", "choices": choices})
+        return info.value
+
+    error = asyncio.run(by_handle())
+    assert (error.status_code, error.message) == (400, r.json()["error"]["message"])
