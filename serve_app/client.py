@@ -263,7 +263,7 @@ class ChatDerenderStream:
         try:
             return await self._handle.chat.remote(body)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or self.transport == "actor":
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # never from actor calls
                 raise
         self.transport = "actor"
         # Over gRPC's message cap (4 MiB unless RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH lifts it, in

@@ -89,13 +89,17 @@ def _normalize(chunk: dict) -> dict:
 
 
 def _stream_http(
-    base_url: str, request_id: str, prompt: list[int], output: list[int], step: int = 1, headers: dict | None = None
+    base_url: str, request_id: str, prompt: list[int], output: list[int], step: int = 1, headers: dict | None = None,
+    sizes: list[int] | None = None,
 ) -> list[dict]:
+    """The stream's chunks over HTTP; ``sizes``, if given, gets each answer's length in bytes."""
     with httpx.Client(base_url=base_url, timeout=60, headers=headers) as c:
 
         def post(body: dict) -> dict:
             r = c.post("/v1/chat/completions/derender", json=body)
             assert r.status_code == 200, r.text
+            if sizes is not None:
+                sizes.append(len(r.content))
             return r.json()
 
         parts = token_chunks(split(output, step), request_id)
@@ -324,16 +328,7 @@ def test_client_stream_past_grpc_message_cap_carries_on_by_actor_calls(scaling_a
 
     prompt, output = stream_inputs
     sizes: list[int] = []
-    with httpx.Client(base_url=scaling_app, timeout=60) as c:
-
-        def post(body: dict) -> dict:
-            r = c.post("/v1/chat/completions/derender", json=body)
-            assert r.status_code == 200, r.text
-            sizes.append(len(r.content))
-            return r.json()
-
-        parts = token_chunks(split(output, 1), "capped")
-        over_http = [d["chunk"] for d in carry_state(post, parts, chat_request=CHAT_REQUEST, prompt_token_ids=prompt)]
+    over_http = _stream_http(scaling_app, "capped", prompt, output, sizes=sizes)
     cap = (sizes[0] + sizes[-1]) // 2  # the first answers fit, the last do not
     env = {**os.environ, "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(cap)}
     request = json.dumps({"chat_request": CHAT_REQUEST, "prompt": prompt, "output": output})
