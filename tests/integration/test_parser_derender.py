@@ -260,36 +260,50 @@ def test_client_stream_keeps_each_stream_on_its_live_parser(scaling_app, stream_
 
     over_http = [same(c) for c in _stream_http(scaling_app, "http", prompt, output)]
 
-    def stats() -> dict[str, tuple[int, int]]:
-        from ray import serve
+    from ray import serve
 
-        replies = serve.get_deployment_handle("ParserDerender", app_name="parser_scaling").broadcast("stats").results(timeout_s=60)
+    handle = serve.get_deployment_handle("ParserDerender", app_name="parser_scaling")
+
+    def stats() -> dict[str, tuple[int, int]]:
+        replies = handle.broadcast("stats").results(timeout_s=60)
         return {s["replica"]: (s["hits"], s["misses"]) for s in replies}
 
-    async def streams(n: int) -> list[list[dict]]:
+    # Four stream ids on each replica: the consistent-hash ring decides, and 8 ids taken blindly all
+    # land on one replica about once in a hundred runs. Probed with another request id, so the
+    # streams below open their own sessions.
+    placed: dict[str, list[str]] = {}
+    for i in range(128):
+        sid = f"client-{i}"
+        _, _, replica = handle.options(session_id=sid).chat_traced.remote(_chunk_body("probe", output[:1], False, None, prompt)).result()
+        if len(placed.setdefault(replica, [])) < 4:
+            placed[replica].append(sid)
+        if len(placed) == 2 and all(len(ids) == 4 for ids in placed.values()):
+            break
+    assert sorted(len(ids) for ids in placed.values()) == [4, 4], placed
+
+    async def streams(ids: list[str]) -> list[list[dict]]:
         client = ServeAppClient("parser_scaling")
 
-        async def one(k: int) -> list[dict]:
+        async def one(sid: str) -> list[dict]:
             stream = client.derender_chat_stream(chat_request=CHAT_REQUEST, prompt_token_ids=prompt)
             chunks = []
             for i, tid in enumerate(output):
                 last = "stop" if i == len(output) - 1 else None
                 choice = {"index": 0, "token_ids": [tid], "finish_reason": last}
-                out = await stream.derender({"request_id": f"client-{k}", "choices": [choice]})
+                out = await stream.derender({"request_id": sid, "choices": [choice]})
                 assert out["stream_state"] == stream.stream_states[0]
                 chunks.append(same(out["chunk"]))
             return chunks
 
-        return await asyncio.gather(*(one(k) for k in range(n)))
+        return await asyncio.gather(*(one(sid) for sid in ids))
 
     before = stats()
-    results = asyncio.run(streams(8))
+    results = asyncio.run(streams([sid for ids in placed.values() for sid in ids]))
     after = stats()
-    assert all(chunks == over_http for chunks in results)
-    hits = sum(h for h, _ in after.values()) - sum(h for h, _ in before.values())
-    misses = sum(m for _, m in after.values()) - sum(m for _, m in before.values())
-    assert (hits, misses) == (8 * (len(output) - 1), 0)
-    assert sum(after[r][0] > before.get(r, (0, 0))[0] for r in after) == 2  # both replicas held streams
+    assert len(results) == 8 and all(chunks == over_http for chunks in results)
+    # Every chunk after a stream's first a hit, on the replica its id hashes to: four streams' worth each.
+    gained = {r: (after[r][0] - before[r][0], after[r][1] - before[r][1]) for r in placed}
+    assert gained == {r: (4 * (len(output) - 1), 0) for r in placed}
 
 
 _CAPPED_CLIENT = """
