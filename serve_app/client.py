@@ -249,8 +249,8 @@ class ChatDerenderStream:
             sid = self._session_id or gen.get("request_id")
             handle = self._target.options(session_id=sid) if self._has_parser and sid else self._target
             # A call per chunk, so over Serve's gRPC transport whatever this process's default (Ray
-            # actor calls unless RAY_SERVE_THROUGHPUT_OPTIMIZED=1: 3.05 s per 1000-token stream from a
-            # caller under Ray's defaults, 2.02 s over gRPC; bench/results/parser.md, README).
+            # actor calls unless RAY_SERVE_THROUGHPUT_OPTIMIZED=1, about 1.5x slower per stream: the
+            # README's parser-streams bullet).
             self._handle = handle.options(_by_reference=False)
         body = {**self._base, "generate_chunk": gen, "stream_state": self.stream_states.get(index)}
         out = load_answer(await self._client._call(self._chat(body)))

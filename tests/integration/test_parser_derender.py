@@ -142,6 +142,22 @@ def _replicas() -> int:
     return app.deployments["ParserDerender"].replica_states.get("RUNNING", 0)
 
 
+def _session_ids_by_replica(handle, prefix: str, per_replica: int, output: list[int], prompt: list[int]) -> dict[str, list[str]]:
+    """``per_replica`` session ids (``{prefix}-{i}``) on each of the two ParserDerender replicas, found
+    by asking: Ray's consistent-hash ring places them. Probed with request id ``probe``, so a stream
+    that then uses an id as its request id opens its own session."""
+    placed: dict[str, list[str]] = {}
+    for i in range(128):
+        sid = f"{prefix}-{i}"
+        body = _chunk_body("probe", output[:1], False, None, prompt)
+        _, _, replica = handle.options(session_id=sid).chat_traced.remote(body).result()
+        if len(placed.setdefault(replica, [])) < per_replica:
+            placed[replica].append(sid)
+        if len(placed) == 2 and all(len(ids) == per_replica for ids in placed.values()):
+            return placed
+    raise AssertionError(f"128 session ids did not give {per_replica} on each of two replicas: {placed}")
+
+
 def test_autoscales_to_two_replicas_while_streams_stay_correct(scaling_app, stream_inputs):
     """Concurrent open streams push ParserDerender from 1 to 2 replicas; every stream's output is the
     same as the non-streaming answer, whichever replica answered which chunk."""
@@ -212,16 +228,7 @@ def test_a_stream_moving_replica_replays_to_identical_output(scaling_app, stream
 
     prompt, output = stream_inputs
     handle = serve.get_deployment_handle("ParserDerender", app_name="parser_scaling")
-    # Find two session ids that the consistent-hash ring puts on different replicas.
-    by_replica: dict[str, str] = {}
-    for i in range(64):
-        sid = f"probe-{i}"
-        body = _chunk_body(sid, output[:1], False, None, prompt)
-        _, _, replica = handle.options(session_id=sid).chat_traced.remote(body).result()
-        by_replica.setdefault(replica, sid)
-        if len(by_replica) == 2:
-            break
-    first, second = by_replica.values()
+    (first,), (second,) = _session_ids_by_replica(handle, "probe", 1, output, prompt).values()
 
     def run(switch_at: int | None) -> tuple[list[dict], list[str]]:
         chunks, outcomes, state = [], [], None
@@ -268,18 +275,8 @@ def test_client_stream_keeps_each_stream_on_its_live_parser(scaling_app, stream_
         replies = handle.broadcast("stats").results(timeout_s=60)
         return {s["replica"]: (s["hits"], s["misses"]) for s in replies}
 
-    # Four stream ids on each replica: the consistent-hash ring decides, and 8 ids taken blindly all
-    # land on one replica about once in a hundred runs. Probed with another request id, so the
-    # streams below open their own sessions.
-    placed: dict[str, list[str]] = {}
-    for i in range(128):
-        sid = f"client-{i}"
-        _, _, replica = handle.options(session_id=sid).chat_traced.remote(_chunk_body("probe", output[:1], False, None, prompt)).result()
-        if len(placed.setdefault(replica, [])) < 4:
-            placed[replica].append(sid)
-        if len(placed) == 2 and all(len(ids) == 4 for ids in placed.values()):
-            break
-    assert sorted(len(ids) for ids in placed.values()) == [4, 4], placed
+    # Four stream ids on each replica: 8 ids taken blindly all land on one about once in a hundred runs.
+    placed = _session_ids_by_replica(handle, "client", 4, output, prompt)
 
     async def streams(ids: list[str]) -> list[list[dict]]:
         client = ServeAppClient("parser_scaling")
