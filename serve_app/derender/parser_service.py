@@ -259,33 +259,38 @@ class ParserDerenderService:
 
     def _open_hit(self, data: dict[str, Any]) -> _OpenChunk | None:
         """A stream chunk whose live session is here, opened without validating the carried output
-        lists, the O(history) part of a chunk's validation; ``None`` for any other chunk.
+        lists, the O(history) part of a chunk's validation, or the prompt's ids (most of the rest);
+        ``None`` for any other chunk.
 
-        On a hit they equal, item for item, the lists of the session that parsed them, which hold
-        only valid ids and chunk lengths adding up, so their validation could only pass (and would
-        only turn equal floats or bools into those ints, which a hit never reads: it continues from
-        the session's lists). Everything else is validated and checked as in :meth:`_open_chunk`.
+        On a hit the output lists equal, item for item, the lists of the session that parsed them,
+        which hold only valid ids and chunk lengths adding up, so their validation could only pass (and
+        would only turn equal floats or bools into those ints, which a hit never reads: it continues
+        from the session's lists). The prompt's ids are the session's too: their digest
+        (:func:`~serve_app.derender.sessions.prompt_key`, which takes only ints in ``TokenId``'s range)
+        is the session's, and a hit reads no more of them than their count. Everything else is
+        validated and checked as in :meth:`_open_chunk`.
         Nothing is answered or changed here unless it is a hit: a miss, a new stream or a request
         that fails anything takes the full path, which answers (and words every 400) as ever.
         """
         carried = data.get("stream_state")
         if not isinstance(carried, dict):
             return None
-        ids, lens = carried.get("output_token_ids"), carried.get("output_chunk_lens")
-        if not (isinstance(ids, list) and isinstance(lens, list) and ids):
+        ids, lens, prompt_ids = carried.get("output_token_ids"), carried.get("output_chunk_lens"), data.get("prompt_token_ids")
+        if not (isinstance(ids, list) and isinstance(lens, list) and ids and isinstance(prompt_ids, list)):
             return None
-        unlisted = {**data, "stream_state": {**carried, "output_token_ids": [], "output_chunk_lens": []}}
+        unlisted = {**data, "prompt_token_ids": [], "stream_state": {**carried, "output_token_ids": [], "output_chunk_lens": []}}
         try:
             request = _CHAT.validate_python(unlisted, from_attributes=True)
             if not isinstance(request, DerenderChatStreamRequest) or request.stream_state is None or not request.generate_chunk.choices:
                 return None
             request.stream_state.output_token_ids, request.stream_state.output_chunk_lens = ids, lens
+            request.prompt_token_ids = prompt_ids
+            prompt = prompt_key(prompt_ids)  # raises for anything but ids in TokenId's range
             model, config, prompt_ids, state = self._checked_chunk(request, data.get("chat_request"))
         except Exception:  # its answer is the full path's
             return None
         chunk = request.generate_chunk
         stream_key = (chunk.request_id, chunk.choices[0].index)
-        prompt = prompt_key(prompt_ids)
         key = state_key(config, prompt, stream_key, dict(state))
         # Looked at first and taken only if it is this stream's: anything else is the full path's to find.
         peeked = self.sessions.peek(key)

@@ -480,3 +480,88 @@ def test_a_body_that_keeps_coming_is_not_cut_and_a_finished_one_waits_freely():
     start, body, complete = _post(_deadline_app(base_s=0.05, min_rate=500), [b"x" * 10_000] * 20, gap_s=0.01, then_wait_s=0.2)
     assert start["status"] == 200 and complete and json.loads(body) == {"bytes": 200_000}
     assert (b"connection", b"close") not in start["headers"]
+
+
+# --- OneBodyRoutes: the one-body POST routes answered without FastAPI's router, as FastAPI answers them ---
+
+
+class _OneBodyOwner:
+    """A stand-in Ingress: every one-body route's method answers as the body says."""
+
+    def __init__(self) -> None:
+        self.through_fastapi: list[bool] = []  # whether FastAPI's ExceptionMiddleware saw the request
+
+    async def answer(self, request: Request):
+        from fastapi.responses import Response
+
+        from serve_app.errors import BadRequestError, ServiceUnavailableError
+
+        self.through_fastapi.append("starlette.exception_handlers" in request.scope)
+        how = (await request.body()).decode()
+        if how == "api-error":
+            raise BadRequestError("bad input", param="messages")
+        if how == "unavailable":
+            raise ServiceUnavailableError("the stage is down")
+        if how == "not-found":
+            raise StarletteHTTPException(404, "Not Found")
+        if how == "crash":
+            raise RuntimeError("boom")
+        return Response(json.dumps({"path": request.url.path, "ct": request.headers.get("content-type")}), media_type="application/json")
+
+
+def _one_body_app(fast: bool):
+    """The Ingress's exception handlers and metrics middleware, a route for each one-body path and one
+    other POST route; with ``fast``, :class:`OneBodyRoutes` innermost, as the Ingress adds it."""
+    from fastapi.responses import Response
+
+    from serve_app.ingress import OneBodyRoutes, api, one_body_routes
+    from serve_app.metrics import HttpMetrics, MetricsMiddleware
+
+    owner, http_metrics = _OneBodyOwner(), HttpMetrics()
+    app = FastAPI(redirect_slashes=False)
+    app.exception_handlers.update(api.exception_handlers)
+    for path in sorted(ONE_BODY_ROUTES):
+        app.add_api_route(path, owner.answer, methods=["POST"], name="answer")
+
+    @app.post("/other")
+    async def other() -> Response:
+        return Response(b"{}", media_type="application/json")
+
+    if fast:
+        app.add_middleware(OneBodyRoutes, routes=one_body_routes(app, owner), exception_handlers=app.exception_handlers)
+    app.add_middleware(MetricsMiddleware, metrics=http_metrics)
+    return app, owner, http_metrics
+
+
+def _answers(app) -> list[tuple]:
+    client = TestClient(app, raise_server_exceptions=False)
+    out = []
+    for path in sorted(ONE_BODY_ROUTES):
+        for how in ("ok", "api-error", "unavailable", "not-found", "crash"):
+            r = client.post(path, content=how, headers={"content-type": "application/json"})
+            out.append((path, how, r.status_code, r.content, sorted((k, v) for k, v in r.headers.items() if k != "date")))
+    for method, path in (("GET", "/v1/chat/completions/derender"), ("POST", "/other"), ("POST", "/v1/chat/completions/derender/")):
+        r = client.request(method, path)
+        out.append((method, path, r.status_code, r.content, sorted((k, v) for k, v in r.headers.items() if k != "date")))
+    return out
+
+
+def test_one_body_routes_answer_as_fastapi_does_without_its_router():
+    fast_app, fast_owner, fast_metrics = _one_body_app(fast=True)
+    slow_app, slow_owner, slow_metrics = _one_body_app(fast=False)
+    fast, slow = _answers(fast_app), _answers(slow_app)
+    assert fast == slow
+    statuses = {(how, status) for _, how, status, *_ in fast[: 5 * len(ONE_BODY_ROUTES)]}
+    assert statuses == {("ok", 200), ("api-error", 400), ("unavailable", 503), ("not-found", 404), ("crash", 500)}
+    assert dict(fast[2][4])["retry-after"]  # the 503's Retry-After, from the Ingress's own handler
+    # The fast app's route methods ran outside FastAPI's exception middleware, the other's inside it.
+    assert fast_owner.through_fastapi == [False] * 5 * len(ONE_BODY_ROUTES)
+    assert slow_owner.through_fastapi == [True] * 5 * len(ONE_BODY_ROUTES)
+    # The metrics middleware labels both by the matched route template, as before.
+    from prometheus_client import generate_latest
+
+    def counts(m) -> list[bytes]:
+        return [line for line in generate_latest(m.registry).splitlines() if line.startswith(b"serve_app_http_requests_total")]
+
+    assert counts(fast_metrics) == counts(slow_metrics)
+    assert any(b'route="/v1/chat/completions/derender"' in line and b'status="400"' in line for line in counts(fast_metrics))
