@@ -265,22 +265,26 @@ def handle_stream(prompt: list[int], output: list[int]) -> dict[str, Any]:
     routes a handle's calls on the caller's loop."""
     from serve_app.client import ServeAppClient
 
-    async def run() -> tuple[float, list[dict]]:
+    async def run() -> tuple[float, list[dict], dict[str, float]]:
         client = ServeAppClient("bench")
         for k in range(2):  # warm: the handle's first calls set up its router
             warm = client.derender_chat_stream(chat_request=CHAT_REQUEST, prompt_token_ids=prompt)
             for tid in output[:20]:
                 await warm.derender({"request_id": f"handle-warm-{k}", "choices": [{"index": 0, "token_ids": [tid]}]})
         s = client.derender_chat_stream(chat_request=CHAT_REQUEST, prompt_token_ids=prompt)
-        chunks, t = [], time.perf_counter()
+        chunks, cpu0, caller0, t = [], proc_cpu(), time.process_time(), time.perf_counter()
         for i, tid in enumerate(output):
             last = "stop" if i == len(output) - 1 else None
             out = await s.derender({"request_id": "handle", "choices": [{"index": 0, "token_ids": [tid], "finish_reason": last}]})
             chunks.append(out["chunk"])
-        return time.perf_counter() - t, chunks
+        total, caller = time.perf_counter() - t, time.process_time() - caller0
+        # The caller: this whole process (Serve's router and gRPC run on its loop and in its gRPC threads).
+        # The servers have roles only where this process started them (not in --handle-worker).
+        cpu = {"caller": caller} | {r: v for r, v in cpu_by_role(cpu0, proc_cpu()).items() if r in SERVER_ROLES}
+        return total, chunks, {r: 1000 * v / len(output) for r, v in cpu.items()}
 
-    total, chunks = asyncio.run(run())
-    return {"total_s": total, "answer": joined(chunks)}
+    total, chunks, cpu_ms = asyncio.run(run())
+    return {"total_s": total, "answer": joined(chunks), "cpu_ms_per_chunk": cpu_ms}
 
 
 def handle_stream_in_default_process() -> dict[str, Any]:
@@ -410,12 +414,15 @@ def report(data: dict[str, Any]) -> str:
         lines.append(f"| the same, the caller under Ray's default Serve settings (no `RAY_SERVE_THROUGHPUT_OPTIMIZED`), s | {v1:.2f} | "
                      f"{hd:.2f} | {v1 / hd:.1f}x | | | >= 10x |")
         same = same and same_answer(ours["handle_ray_defaults"]["answer"], v["one_1000"]["answer"])
+    handle_cpu = [handle_cpu_line(label, ours[key]) for key, label in (("handle", "caller under make run's settings"),
+                  ("handle_ray_defaults", "caller under Ray's defaults")) if "cpu_ms_per_chunk" in ours.get(key, {})]
     lines += [
         "",
         f"- Outputs (content, reasoning, tool-call arguments, finish_reason) equal vLLM's for every 1000-token stream: {same}.",
         f"- Session cache outcomes (Ingress /metrics) — no header: {fmt_sessions(n['sessions'])}; "
         f"x-session-id: {fmt_sessions(h['sessions'])}.",
         *[cpu_line(mode, o["one_1000"]) for mode, o in (("no header", n), ("x-session-id", h)) if "cpu_ms_per_chunk" in o["one_1000"]],
+        *handle_cpu,
         f"- Bytes a client sends: 1000-token stream {n['one_1000']['bytes_sent'] / 1e6:.1f} MB, "
         f"4000-token {n['one_4000']['bytes_sent'] / 1e6:.1f} MB.",
         f"- vLLM's 4000-token total integrates its per-chunk cost at positions {', '.join(map(str, POSITIONS))} (median of 3); "
@@ -460,6 +467,13 @@ def cpu_line(mode: str, one: dict[str, Any]) -> str:
     shown = ", ".join(f"{role} {ms:.2f} ms" for role, ms in roles if ms >= 0.005)
     return (f"- CPU per chunk over the one 1000-token stream ({mode}; the stream is serial, so its time per chunk is about "
             f"their sum): {shown}.")
+
+
+def handle_cpu_line(label: str, one: dict[str, Any]) -> str:
+    """The by-handle stream's CPU per chunk: the calling process (all its threads) and the servers."""
+    roles = sorted(one["cpu_ms_per_chunk"].items(), key=lambda kv: -kv[1])
+    shown = ", ".join(f"{role} {ms:.2f} ms" for role, ms in roles if ms >= 0.005)
+    return f"- CPU per chunk over the one 1000-token stream by handle ({label}): {shown}."
 
 
 def fmt_sessions(s: dict[str, float]) -> str:
