@@ -12,7 +12,11 @@ LABELS = {"vllm": "vLLM 0.32", "ours": "serve_app"}
 
 
 def pyplot() -> Any:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the results are written before any plot: say how to draw them, not a traceback
+        raise SystemExit("matplotlib is not installed, so no PNG was drawn: pip install -e '.[bench]', then "
+                         "redraw from the results JSON (bench/README.md)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
