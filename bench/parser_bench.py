@@ -476,8 +476,8 @@ def cpu_line(mode: str, one: dict[str, Any]) -> str:
     """The one 1000-token stream's CPU per chunk by process role, largest first (roles under 0.005 ms left out)."""
     roles = sorted(one["cpu_ms_per_chunk"].items(), key=lambda kv: -kv[1])
     shown = ", ".join(f"{role} {ms:.2f} ms" for role, ms in roles if ms >= 0.005)
-    return (f"- CPU per chunk over the one 1000-token stream ({mode}; the stream is serial, so its time per chunk is about "
-            f"their sum): {shown}.")
+    return (f"- CPU per chunk over the one 1000-token stream ({mode}; the stream is serial, but on two cores each process's "
+            f"work after its part of a chunk overlaps the others', so these add up to more than its time per chunk): {shown}.")
 
 
 def runs_text(one: dict[str, Any]) -> str:
