@@ -104,6 +104,15 @@ def stream(
     return lat, chunks, sent
 
 
+def one_stream_runs(runs: list[tuple[list[float], list[dict], int]]) -> dict[str, Any]:
+    """ONE_STREAM_RUNS streams in a row (:func:`stream`'s results): their median total is the figure; every
+    answer is kept for the parity check, the first run's per-chunk p50 and bytes sent."""
+    totals = [sum(lat) for lat, _, _ in runs]
+    lat, chunks, sent = runs[0]
+    return {"total_s": statistics.median(totals), "runs_s": totals, "p50_ms": 1000 * statistics.median(lat),
+            "bytes_sent": sent, "answer": joined(chunks), "answers": [joined(c) for _, c, _ in runs]}
+
+
 def concurrent(url: str, prompt: list[int], output: list[int], tag: str, headers_for: Any) -> dict[str, Any]:
     """CONCURRENT streams at once, each on its own connection: chunks/s over the whole run."""
     t = time.perf_counter()
@@ -140,11 +149,8 @@ def run_vllm(w1000: tuple[list[int], list[int]], w4000: tuple[list[int], list[in
         log("vllm launch render up")
         prompt, output = w1000
         stream(url, prompt, output[:20], "warm")
-        runs = [stream(url, prompt, output, f"vllm-1000-{k}") for k in range(ONE_STREAM_RUNS)]
-        totals = [sum(lat) for lat, _, _ in runs]
-        one = {"total_s": statistics.median(totals), "runs_s": totals, "bytes_sent": runs[0][2],
-               "answer": joined(runs[0][1]), "answers": [joined(c) for _, c, _ in runs]}
-        log(f"vLLM one 1000-token stream: {one['total_s']:.1f} s (median of {', '.join(f'{t:.1f}' for t in totals)})")
+        one = one_stream_runs([stream(url, prompt, output, f"vllm-1000-{k}") for k in range(ONE_STREAM_RUNS)])
+        log(f"vLLM one 1000-token stream: {one['total_s']:.1f} s (median of {runs_text(one)})")
         many = concurrent(url, prompt, output, "vllm-c", lambda sid: None)
         log(f"vLLM {CONCURRENT} concurrent: {many['chunks_per_s']:.1f} chunks/s")
         prompt4, output4 = w4000
@@ -227,12 +233,10 @@ def run_ours(w1000: tuple[list[int], list[int]], w4000: tuple[list[int], list[in
             # Process CPU per chunk over the runs: the client is this thread (the streams' whole loop), the servers by role.
             sent_chunks = ONE_STREAM_RUNS * len(output)
             client_ms, roles = 1000 * (time.thread_time() - client0) / sent_chunks, cpu_by_role(cpu0, proc_cpu())
-            totals = [sum(lat) for lat, _, _ in runs]
-            lat, chunks, sent = runs[0]
-            one = {"total_s": statistics.median(totals), "runs_s": totals, "p50_ms": 1000 * statistics.median(lat),
-                   "bytes_sent": sent, "answer": joined(chunks), "answers": [joined(c) for _, c, _ in runs],
-                   "cpu_ms_per_chunk": {"client": client_ms} | {r: 1000 * v / sent_chunks for r, v in roles.items() if r in SERVER_ROLES}}
-            log(f"ours ({mode}) one 1000-token stream: {one['total_s']:.2f} s (median of {', '.join(f'{t:.2f}' for t in totals)})")
+            one = one_stream_runs(runs) | {
+                "cpu_ms_per_chunk": {"client": client_ms} | {r: 1000 * v / sent_chunks for r, v in roles.items() if r in SERVER_ROLES}
+            }
+            log(f"ours ({mode}) one 1000-token stream: {one['total_s']:.2f} s (median of {runs_text(one)})")
             many = concurrent(url, prompt, output, f"{tag}-c", hdr)
             log(f"ours ({mode}) {CONCURRENT} concurrent: {many['chunks_per_s']:.0f} chunks/s")
             snaps: list[dict[int, tuple[str, float]]] = []
@@ -472,23 +476,27 @@ def report(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def roles_text(cpu_ms_per_chunk: dict[str, float]) -> str:
+    """CPU per chunk by process role, largest first (roles under 0.005 ms left out)."""
+    roles = sorted(cpu_ms_per_chunk.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{role} {ms:.2f} ms" for role, ms in roles if ms >= 0.005)
+
+
 def cpu_line(mode: str, one: dict[str, Any]) -> str:
-    """The one 1000-token stream's CPU per chunk by process role, largest first (roles under 0.005 ms left out)."""
-    roles = sorted(one["cpu_ms_per_chunk"].items(), key=lambda kv: -kv[1])
-    shown = ", ".join(f"{role} {ms:.2f} ms" for role, ms in roles if ms >= 0.005)
+    """The one 1000-token stream's CPU per chunk by process role."""
+    shown = roles_text(one["cpu_ms_per_chunk"])
     return (f"- CPU per chunk over the one 1000-token stream ({mode}; the stream is serial, but on two cores each process's "
             f"work after its part of a chunk overlaps the others', so these add up to more than its time per chunk): {shown}.")
 
 
 def runs_text(one: dict[str, Any]) -> str:
+    """The one stream's run totals in seconds (one value for a results file from before the runs)."""
     return ", ".join(f"{t:.2f}" for t in one.get("runs_s", [one["total_s"]]))
 
 
 def handle_cpu_line(label: str, one: dict[str, Any]) -> str:
     """The by-handle stream's CPU per chunk: the calling process (all its threads) and the servers."""
-    roles = sorted(one["cpu_ms_per_chunk"].items(), key=lambda kv: -kv[1])
-    shown = ", ".join(f"{role} {ms:.2f} ms" for role, ms in roles if ms >= 0.005)
-    return f"- CPU per chunk over the one 1000-token stream by handle ({label}): {shown}."
+    return f"- CPU per chunk over the one 1000-token stream by handle ({label}): {roles_text(one['cpu_ms_per_chunk'])}."
 
 
 def fmt_sessions(s: dict[str, float]) -> str:
