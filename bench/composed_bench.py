@@ -80,7 +80,8 @@ class CoupledServe(VllmServe):
 
 
 # ``--workload tools``: every request carries these (tool_choice auto), so render writes them into the
-# prompt and the hermes parser watches the output for calls.
+# prompt, and its output is scripted (:func:`tools_body`): a ``<think>`` block and two hermes calls, so
+# both servers' reasoning and tool parsers stream real reasoning and tool-call deltas.
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
                                       "parameters": {"type": "object", "properties": {
@@ -130,8 +131,18 @@ def bucket_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str,
     return {n: {le: int(v - before.get(n, {}).get(le, 0.0)) for le, v in b.items()} for n, b in after.items()}
 
 
+def tools_body(output_len: int) -> dict[str, Any]:
+    """The extra body of ``--workload tools``: the tools, and an output of ``output_len`` tokens forced on
+    either engine by the scripted-output processor both load: reasoning, an answer, two ``<tool_call>``s
+    ending at the last token (``bench.common.workloads.tool_reasoning_output``)."""
+    from bench.common.workloads import tokenizer, tool_reasoning_output
+
+    script = tool_reasoning_output(tokenizer(MODEL), output_len)
+    return {"tools": TOOLS, "tool_choice": "auto", "vllm_xargs": {"scripted_output": script}}
+
+
 def bench_serve_argv(base: str, model_dir: str, c: int, prompts: int, opts: argparse.Namespace, result: Path) -> list[str]:
-    extra = ["--extra-body", json.dumps({"tools": TOOLS, "tool_choice": "auto"})] if opts.workload == "tools" else []
+    extra = ["--extra-body", json.dumps(tools_body(opts.output_len))] if opts.workload == "tools" else []
     return [sys.executable, "-m", "serve_app.vllm_cli", "bench", "serve", *extra, "--backend", "openai-chat", "--base-url", base,
             "--endpoint", "/v1/chat/completions", "--model", MODEL, "--tokenizer", model_dir, "--dataset-name", "random",
             "--random-input-len", str(opts.input_len), "--random-output-len", str(opts.output_len), "--ignore-eos",
@@ -335,7 +346,8 @@ def render_report(data: dict[str, Any]) -> str:
         "",
         f"`python -m bench.composed_bench --workload {o.get('workload', 'random')}{split_flag}` · "
         f"random prompts of {o['input_len']} tokens"
-        + (" carrying two tools (`tool_choice: auto`)" if o.get("workload") == "tools" else "")
+        + (" carrying two tools (`tool_choice: auto`), each output scripted on both engines as reasoning and two hermes"
+           " tool calls" if o.get("workload") == "tools" else "")
         + f", {o['output_len']} output tokens "
         f"(`--ignore-eos`), temperature 0 · both engines: qwen3-tiny, eager CPU, max_num_seqs {MAX_NUM_SEQS}, "
         f"{KV_BYTES >> 20} MiB KV cache · ours as `make run` (HAProxy, Ingress ×2 with render and derender colocated, "
@@ -488,8 +500,11 @@ def plot(json_path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend()
-    split = ", engines on their own core" if data["options"].get("split_cores") else ""
-    fig.suptitle(f"composed /v1/chat/completions vs coupled vllm serve (vllm bench serve, random 128/128{split})")
+    o = data["options"]
+    split = ", engines on their own core" if o.get("split_cores") else ""
+    tools = ", two tools, scripted tool calls" if o.get("workload") == "tools" else ""
+    shape = f"random {o.get('input_len', 128)}/{o.get('output_len', 128)}"
+    fig.suptitle(f"composed /v1/chat/completions vs coupled vllm serve (vllm bench serve, {shape}{tools}{split})")
     fig.tight_layout()
     out = json_path.with_suffix(".png")
     fig.savefig(out, dpi=90)
