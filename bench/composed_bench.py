@@ -52,6 +52,7 @@ from bench.common.plots import pyplot
 from bench.common.report import cli, fmt, listed, machine_info, machine_line, options_json, ratio, rerender, write_results
 from bench.common.serve_cluster import make_run_env, prepare_driver, shipped_colocate, vllm_and_ours
 from bench.common.servers import SCRIPTED_PROCESSOR, VllmServe, shown, spawn_group
+from bench.common.stats import BURST_GAP_S, STALL_GAP_S, stream_gaps
 
 MODEL = "qwen3-tiny"
 KV_BYTES = 1 << 30  # serve_config.yaml
@@ -272,6 +273,7 @@ async def run_case(system: str, base: str, model_dir: str, c: int, prompts: int,
                                             "p90_ttft_ms", "p90_itl_ms", "mean_ttft_ms", "mean_itl_ms")})
         # Per request, in the order sent (c=1: in time): where a tail request falls.
         row["ttfts_ms"] = [round(t * 1e3, 1) for t in res.get("ttfts") or []]
+        row["stream_gaps"] = stream_gaps(res.get("itls") or [])
         tokens = res.get("total_output_tokens") or 0
         row["cpu_ms_per_token"] = {k: v * 1e3 / tokens for k, v in sorted(cpu.items())} if tokens else {}
     for name, p, out in profiling:
@@ -401,6 +403,18 @@ def render_report(data: dict[str, Any]) -> str:
             lines.append(f"| {r['system']} | {r['concurrency']} | {len(r['ttfts_ms'])} | {sum(t > 100 for t in r['ttfts_ms'])} | "
                          f"{_over(b.get('serve_app_time_to_first_token_seconds'), '0.1')} | "
                          f"{_over(b.get('vllm:time_to_first_token_seconds'), '0.1')} |")
+    gapped = [r for r in data["cases"] if r.get("stream_gaps")]
+    if gapped:
+        lines += ["", "## How the client received the streams: bursts and stalls", "",
+                  "From `vllm bench serve`'s gaps between the events of each request. *Burst*: events that came in the "
+                  f"same read as the one before (gap under {BURST_GAP_S * 1e3:g} ms: held somewhere, then let go "
+                  f"together); *stalled*: requests with a gap of {STALL_GAP_S * 1e3:g} ms or more. A smooth stream has "
+                  "neither; ITL p50 reads 0 when over half the events are bursts.", "",
+                  "| system | c | requests | events | burst share | longest gap ms | stalled requests |", "|---|---|---|---|---|---|---|"]
+        for r in _ordered(gapped):
+            g = r["stream_gaps"]
+            lines.append(f"| {r['system']} | {r['concurrency']} | {g['requests']} | {g['events']} | {fmt(100 * g['burst_share'], 0)} % | "
+                         f"{fmt(g['longest_gap_ms'], 0)} | {g['stalled_requests']} |")
     roles = sorted({k for r in data["cases"] for k in r.get("cpu_ms_per_token", {})})
     keep = [k for k in roles if max(r.get("cpu_ms_per_token", {}).get(k, 0) for r in data["cases"]) >= 0.005]
     lines += [

@@ -29,3 +29,22 @@ def slope_per_min(pts: list[tuple[float, float]]) -> float:
     mv = statistics.fmean(v for _, v in pts)
     den = sum((t - mt) ** 2 for t, _ in pts)
     return sum((t - mt) * (v - mv) for t, v in pts) / den * 60 if den else float("nan")
+
+
+BURST_GAP_S = 0.0005  # an event read with the one before it (the same socket read), as a client times them
+STALL_GAP_S = 0.25  # a pause no engine step on this box explains (a step at c=64 takes ~20 ms)
+
+
+def stream_gaps(itls: list[list[float]]) -> dict[str, Any]:
+    """How a streaming client received its events, from its inter-event gaps per request (seconds,
+    ``vllm bench serve``'s ``itls``): the share of events that came in the same read as the one before
+    (a burst: they were held somewhere and let go together), the longest gap, and the requests with a
+    gap of ``STALL_GAP_S`` or more. A smooth stream has no bursts and no long gap, whatever its speed."""
+    gaps = [g for request in itls for g in request]
+    return {
+        "requests": len(itls),
+        "events": len(gaps),
+        "burst_share": sum(g < BURST_GAP_S for g in gaps) / len(gaps) if gaps else float("nan"),
+        "longest_gap_ms": max(gaps) * 1e3 if gaps else float("nan"),
+        "stalled_requests": sum(1 for request in itls if request and max(request) >= STALL_GAP_S),
+    }
