@@ -410,10 +410,10 @@ def render_report(data: dict[str, Any]) -> str:
                   f"same read as the one before (gap under {BURST_GAP_S * 1e3:g} ms: held somewhere, then let go "
                   f"together); *stalled*: requests with a gap of {STALL_GAP_S * 1e3:g} ms or more. A smooth stream has "
                   "neither; ITL p50 reads 0 when over half the events are bursts.", "",
-                  "| system | c | requests | events | burst share | longest gap ms | stalled requests |", "|---|---|---|---|---|---|---|"]
+                  "| system | c | requests | gaps | burst share | longest gap ms | stalled requests |", "|---|---|---|---|---|---|---|"]
         for r in _ordered(gapped):
             g = r["stream_gaps"]
-            lines.append(f"| {r['system']} | {r['concurrency']} | {g['requests']} | {g['events']} | {fmt(100 * g['burst_share'], 0)} % | "
+            lines.append(f"| {r['system']} | {r['concurrency']} | {g['requests']} | {g['gaps']} | {fmt(100 * g['burst_share'], 0)} % | "
                          f"{fmt(g['longest_gap_ms'], 0)} | {g['stalled_requests']} |")
     roles = sorted({k for r in data["cases"] for k in r.get("cpu_ms_per_token", {})})
     keep = [k for k in roles if max(r.get("cpu_ms_per_token", {}).get(k, 0) for r in data["cases"]) >= 0.005]

@@ -38,12 +38,13 @@ STALL_GAP_S = 0.25  # a pause no engine step on this box explains (a step at c=6
 def stream_gaps(itls: list[list[float]]) -> dict[str, Any]:
     """How a streaming client received its events, from its inter-event gaps per request (seconds,
     ``vllm bench serve``'s ``itls``): the share of events that came in the same read as the one before
-    (a burst: they were held somewhere and let go together), the longest gap, and the requests with a
+    (a burst: they were held somewhere and let go together; a share of the ``gaps``, one fewer than a
+    request's events), the longest gap, and the requests with a
     gap of ``STALL_GAP_S`` or more. A smooth stream has no bursts and no long gap, whatever its speed."""
     gaps = [g for request in itls for g in request]
     return {
         "requests": len(itls),
-        "events": len(gaps),
+        "gaps": len(gaps),
         "burst_share": sum(g < BURST_GAP_S for g in gaps) / len(gaps) if gaps else float("nan"),
         "longest_gap_ms": max(gaps) * 1e3 if gaps else float("nan"),
         "stalled_requests": sum(1 for request in itls if request and max(request) >= STALL_GAP_S),

@@ -32,9 +32,9 @@ def test_stream_gaps_tell_a_held_then_released_stream_from_a_smooth_one():
     smooth = [[0.010] * 9, [0.012] * 9]
     held = [[0.010, 0.010, 1.3] + [0.0] * 6, [0.011] * 9]  # three events, a 1.3 s pause, the rest in one read
     s, h = stream_gaps(smooth), stream_gaps(held)
-    assert s == {"requests": 2, "events": 18, "burst_share": 0.0, "longest_gap_ms": 12.0, "stalled_requests": 0}
+    assert s == {"requests": 2, "gaps": 18, "burst_share": 0.0, "longest_gap_ms": 12.0, "stalled_requests": 0}
     assert h["burst_share"] == 6 / 18 and math.isclose(h["longest_gap_ms"], 1300.0) and h["stalled_requests"] == 1
-    assert stream_gaps([])["events"] == 0 and math.isnan(stream_gaps([])["burst_share"])
+    assert stream_gaps([])["gaps"] == 0 and math.isnan(stream_gaps([])["burst_share"])
 
 
 def test_fmt_and_ratio():
