@@ -357,10 +357,13 @@ def test_request_cache_is_bounded_in_bytes_and_keeps_no_conversation(service, id
     del big
     gc.collect()
     held = tracemalloc.get_traced_memory()[0] - before
+    largest = max(trace.size for trace in tracemalloc.take_snapshot().traces)
     tracemalloc.stop()
     configs = list(svc.configs.values())
     assert 1 < len(configs) < 20 and svc.request_bytes == sum(c.size for c in configs)
-    assert held < 200_000  # not one request's conversation is left (each is 1 MB)
+    # Not one request's conversation is left: each is a single 1 MB string. The total is only
+    # bounded below one of them, since first calls into vLLM may fill its own lazy caches.
+    assert largest < 100_000 and held < 1_000_000
     for config in configs:  # the parsers' view of the conversation is kept: the tool calls it made
         assert count_history_tool_calls(config.request) == 2 and len(config.request.messages) == 1
 
