@@ -52,6 +52,7 @@ from bench.common.plots import pyplot
 from bench.common.report import cli, fmt, listed, machine_info, machine_line, options_json, ratio, rerender, write_results
 from bench.common.serve_cluster import make_run_env, prepare_driver, shipped_colocate, vllm_and_ours
 from bench.common.servers import SCRIPTED_PROCESSOR, VllmServe, shown, spawn_group
+from bench.common.stall_probe import STALL_S, StallProbe
 from bench.common.stats import BURST_GAP_S, STALL_GAP_S, stream_gaps
 
 MODEL = "qwen3-tiny"
@@ -244,7 +245,7 @@ async def run_case(system: str, base: str, model_dir: str, c: int, prompts: int,
     t0 = time.perf_counter()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     log_path = LOGS / f"composed-{tag}.log"
-    with log_path.open("w") as log:
+    with log_path.open("w") as log, StallProbe() as probe:
         # The client writes to its log file, copied to stderr as it grows: no pipe this process must drain for
         # the client to go on (a pipe was one suspect for its c=1 TTFT tail; the tail stayed without it).
         proc = spawn_group(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -265,7 +266,7 @@ async def run_case(system: str, base: str, model_dir: str, c: int, prompts: int,
     server_ttft = bucket_delta(ttft_before, ttft_after)
     groups.pop(proc.pid, None)
     row: dict[str, Any] = {"system": system, "concurrency": c, "num_prompts": prompts, "wall_s": wall, "exit_code": code,
-                           "server_ttft_buckets": server_ttft,
+                           "server_ttft_buckets": server_ttft, "machine_stalls": probe.summary(),
                            "engine_totals": {n: engine_after[n] - engine_before.get(n, 0.0) for n in engine_after}}
     if result_path.exists():
         res = json.loads(result_path.read_text())
@@ -409,12 +410,17 @@ def render_report(data: dict[str, Any]) -> str:
                   "From `vllm bench serve`'s gaps between the events of each request. *Burst*: events that came in the "
                   f"same read as the one before (gap under {BURST_GAP_S * 1e3:g} ms: held somewhere, then let go "
                   f"together); *stalled*: requests with a gap of {STALL_GAP_S * 1e3:g} ms or more. A smooth stream has "
-                  "neither; ITL p50 reads 0 when over half the events are bursts.", "",
-                  "| system | c | requests | gaps | burst share | longest gap ms | stalled requests |", "|---|---|---|---|---|---|---|"]
+                  "neither; ITL p50 reads 0 when over half the events are bursts. *Machine stalls*: over the case, the "
+                  f"times a harness thread (niceness 0, above every server process) sleeping 10 ms at a time woke "
+                  f"{STALL_S * 1e3:g} ms or more late, and the longest (`bench/common/stall_probe.py`): then the machine, "
+                  "not a server, held everything.", "",
+                  "| system | c | requests | gaps | burst share | longest gap ms | stalled requests | machine stalls | longest ms |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in _ordered(gapped):
-            g = r["stream_gaps"]
+            g, m = r["stream_gaps"], r.get("machine_stalls") or {}
             lines.append(f"| {r['system']} | {r['concurrency']} | {g['requests']} | {g['gaps']} | {fmt(100 * g['burst_share'], 0)} % | "
-                         f"{fmt(g['longest_gap_ms'], 0)} | {g['stalled_requests']} |")
+                         f"{fmt(g['longest_gap_ms'], 0)} | {g['stalled_requests']} | {m.get('stalls', '–')} | "
+                         f"{fmt(m.get('longest_ms'), 0)} |")
     roles = sorted({k for r in data["cases"] for k in r.get("cpu_ms_per_token", {})})
     keep = [k for k in roles if max(r.get("cpu_ms_per_token", {}).get(k, 0) for r in data["cases"]) >= 0.005]
     lines += [

@@ -7,6 +7,7 @@ import json
 import math
 
 from bench.common.report import fmt, machine_line, ratio, rerender, write_results
+from bench.common.stall_probe import StallProbe, sleeper_stalls
 from bench.common.stats import latency_stats, percentile, stream_gaps
 
 
@@ -35,6 +36,21 @@ def test_stream_gaps_tell_a_held_then_released_stream_from_a_smooth_one():
     assert s == {"requests": 2, "gaps": 18, "burst_share": 0.0, "longest_gap_ms": 12.0, "stalled_requests": 0}
     assert h["burst_share"] == 6 / 18 and math.isclose(h["longest_gap_ms"], 1300.0) and h["stalled_requests"] == 1
     assert stream_gaps([])["gaps"] == 0 and math.isnan(stream_gaps([])["burst_share"])
+
+
+def test_sleeper_stalls_count_only_wakes_late_by_the_threshold_or_more():
+    s = sleeper_stalls([0.0001, 0.049, 0.05, 1.2, 0.002], seconds=10.0)
+    assert s["stalls"] == 2 and math.isclose(s["longest_ms"], 1200.0) and math.isclose(s["stalled_share"], 0.125)
+    assert sleeper_stalls([0.001], 1.0) == {"seconds": 1.0, "stalls": 0, "longest_ms": 0.0, "stalled_share": 0.0}
+
+
+def test_stall_probe_records_a_wake_per_tick_over_its_window():
+    import time
+
+    with StallProbe() as probe:
+        time.sleep(0.2)
+    s = probe.summary()
+    assert s["seconds"] >= 0.2 and len(probe._oversleeps) >= 1 and s["stalls"] <= len(probe._oversleeps)
 
 
 def test_fmt_and_ratio():
