@@ -44,7 +44,7 @@ def test_sleeper_stalls_count_only_wakes_late_by_the_threshold_or_more():
     assert sleeper_stalls([0.001], 1.0) == {"seconds": 1.0, "stalls": 0, "longest_ms": 0.0, "stalled_share": 0.0}
 
 
-def test_stall_probe_records_a_wake_per_tick_over_its_window():
+def test_stall_probe_records_its_wakes_over_its_window():
     import time
 
     with StallProbe() as probe:
