@@ -10,9 +10,11 @@ arrival time minus its stamp (one machine, one clock). The same load runs with a
 ``--hogs`` busy-loop processes (at niceness 0, like a client or a co-located server, and at 15, the
 niceness Ray starts its workers at), over both of Serve's transports, the cases taking turns.
 
-It isolates the hold issue 21 chases in the composed API: streams whose items the Engine yields at
-an even pace reach their reader in bursts, seconds late. If this probe shows the same with nothing
-but Serve in the path, the hold is Serve's streaming under CPU contention, not the engine or the app.
+It separates Serve's own part in the hold issue 21 chases in the composed API (streams whose items
+the Engine yields at an even pace reach their reader in bursts, seconds late). Every process here,
+the busy loops included, runs in this driver's session: the kernel may share CPU between sessions
+first (``sched_autogroup_enabled``), in which case a busy loop started from another shell takes its
+session's share whatever its niceness, and only this same-session layout lets niceness decide.
 
 Results: ``bench/results/serve_stream.md`` and ``.json``.
 """
