@@ -21,22 +21,23 @@ Results: ``bench/results/serve_stream.md`` and ``.json``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
-import platform
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+from bench.common.load import progress
 from bench.common.paths import RESULTS
+from bench.common.report import cli, machine_info, machine_line, options_json, rerender, write_results
 from bench.common.serve_cluster import QUIET_LOGS, make_run_env
-from bench.common.stats import percentile
+from bench.common.stats import latency_stats, percentile
 
 
 def hogs(n: int, niceness: int) -> list[subprocess.Popen]:
+    # Plain Popen, not servers.spawn_group: a new session would be a CPU group of its own (autogroup).
     code = f"import os; os.nice({niceness})\nwhile True: pass"
     return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
 
@@ -59,14 +60,11 @@ async def run_case(handle: Any, streams: int, items: int, period: float, rounds:
         for res in results:
             lates += res["late"]
             max_gaps.append(res["max_gap"])
-        print(f"  round {r + 1}/{rounds}: worst lateness {max(x for res in results for x in res['late']):.3f} s", file=sys.stderr)
-    lates.sort()
+        progress(f"  round {r + 1}/{rounds}: worst lateness {max(x for res in results for x in res['late']):.3f} s")
     max_gaps.sort()
     return {
-        "items": len(lates),
-        "late_p50_ms": 1000 * percentile(lates, 0.5),
-        "late_p99_ms": 1000 * percentile(lates, 0.99),
-        "late_max_ms": 1000 * lates[-1],
+        "late": latency_stats(lates),
+        "late_max_ms": 1000 * max(lates),
         "late_over_250ms": sum(1 for x in lates if x > 0.25) / len(lates),
         "stream_max_gap_p50_ms": 1000 * percentile(max_gaps, 0.5),
         "stream_max_gap_max_ms": 1000 * max_gaps[-1],
@@ -78,7 +76,7 @@ def render_md(result: dict[str, Any]) -> str:
     lines = [
         "# Serve's streaming delivery under CPU contention (no vLLM, no app code)",
         "",
-        f"{result['date']} · {result['machine']} · ray {result['ray']}",
+        machine_line(result["machine"], ("ray",)),
         "",
         f"`python -m bench.serve_stream_probe` · a `Ticker` replica (Ray's worker niceness, 15) yields a stamped dict "
         f"every {o['period'] * 1000:.0f} ms on each of {o['streams']} concurrent handle streams ({o['items']} items each, "
@@ -95,22 +93,26 @@ def render_md(result: dict[str, Any]) -> str:
     for case in result["cases"]:
         c = case["result"]
         lines.append(
-            f"| {case['transport']} | {case['work_ms']} | {case['hogs']} ({case['hog_niceness']}) | {c['items']} | {c['late_p50_ms']:.1f} "
-            f"| {c['late_p99_ms']:.1f} | {c['late_max_ms']:.0f} | "
+            f"| {case['transport']} | {case['work_ms']} | {case['hogs']} ({case['hog_niceness']}) | {c['late']['n']} "
+            f"| {c['late']['p50_ms']:.1f} | {c['late']['p99_ms']:.1f} | {c['late_max_ms']:.0f} | "
             f"{100 * c['late_over_250ms']:.1f} % | {c['stream_max_gap_p50_ms']:.0f} / {c['stream_max_gap_max_ms']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli("bench.serve_stream_probe", __doc__ or "")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--items", type=int, default=100)
     parser.add_argument("--period", type=float, default=0.02)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--work-ms", type=float, default=0.5, help="replica CPU per item in the busy cases")
     parser.add_argument("--hogs", type=int, default=3, help="busy-loop processes in the loaded case")
+    parser.add_argument("--from-json", type=Path, help="re-render the report from a results JSON and exit")
     opts = parser.parse_args()
+    if opts.from_json:
+        rerender(opts.from_json, render_md)
+        return
 
     os.environ.update(make_run_env())
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -140,7 +142,7 @@ def main() -> None:
         for transport, handle in handles.items():
             await run_case(handle, 2, 10, opts.period, 1)  # warm the channel
             for work_ms, n, niceness in CASES:
-                print(f"case: {transport}, {work_ms} ms of work per item, {n} hogs at niceness {niceness}", file=sys.stderr)
+                progress(f"case: {transport}, {work_ms} ms of work per item, {n} hogs at niceness {niceness}")
                 procs = hogs(n, niceness)
                 try:
                     await asyncio.sleep(1)
@@ -152,20 +154,12 @@ def main() -> None:
                 cases.append({"transport": transport, "work_ms": work_ms, "hogs": n, "hog_niceness": niceness, "result": res})
         return cases
 
+    t0 = time.monotonic()
     cases = asyncio.run(go())
     serve.shutdown()
     ray.shutdown()
-    result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.processor() or platform.machine()} · {os.cpu_count()} logical CPUs",
-        "ray": ray.__version__,
-        "opts": vars(opts),
-        "cases": cases,
-    }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "serve_stream.json").write_text(json.dumps(result, indent=1))
-    (RESULTS / "serve_stream.md").write_text(render_md(result))
-    print(render_md(result))
+    data = {"machine": machine_info(), "opts": options_json(opts, "from_json"), "cases": cases, "total_s": time.monotonic() - t0}
+    write_results(RESULTS / "serve_stream", data, render_md)
 
 
 if __name__ == "__main__":
