@@ -146,6 +146,15 @@ class EngineArgs(BaseModel):
     placement_group_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] | None = Field(
         None, description="Ray placement group strategy for the engine's workers; default as serve_app/placement.py."
     )
+    stream_messages_per_s: float = Field(
+        1000.0,
+        ge=0,
+        description=(
+            "Stream messages per second an Engine replica sends in all (serve_app/streaming.py StreamPacer). "
+            "Past it each message carries the tokens made meanwhile, in order (at most 50 ms apart), instead "
+            "of one, so a fast engine's replica does not spend its core on messages. 0: one message per output."
+        ),
+    )
 
     @model_validator(mode="after")
     def _no_app_level_keys(self) -> EngineArgs:

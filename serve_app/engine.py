@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Mapping
+from contextlib import aclosing
 from typing import Any
 
 from ray import serve
@@ -29,6 +30,7 @@ from serve_app.config import AppArgs, ResolvedModel
 from serve_app.errors import BadRequestError, EngineStreamError
 from serve_app.heap import freeze_startup_heap
 from serve_app.placement import placement_options
+from serve_app.streaming import StreamPacer
 from serve_app.wire import check_engine_ints, dump_json, load_body, validate_model
 
 __all__ = ["Engine", "EngineService"]
@@ -57,6 +59,12 @@ def parse_sse_frame(frame: str) -> dict[str, Any] | None:
     return chunk
 
 
+def engine_output_follows(frame: str) -> bool:
+    """Whether more engine output follows this SSE frame: its choice is not finished (no wait after a
+    finish, before the usage frame and ``[DONE]``, or after an error frame)."""
+    return '"finish_reason":null' in frame
+
+
 def check_token_ids(token_ids: list[int] | None, vocab_size: int) -> None:
     """vLLM's own out-of-vocabulary 400 (``BaseRenderer.validate_token_ids``), also without a tokenizer."""
     if token_ids and max(token_ids) >= vocab_size:
@@ -66,8 +74,9 @@ def check_token_ids(token_ids: list[int] | None, vocab_size: int) -> None:
 class EngineService:
     """Ray-free core: ``GenerateRequest`` JSON in, vLLM's ``/inference/v1/generate`` output out."""
 
-    def __init__(self, state: EngineState) -> None:
+    def __init__(self, state: EngineState, stream_messages_per_s: float = 0.0) -> None:
         self.state = state
+        self.pacer = StreamPacer(stream_messages_per_s)
         self.serving = state.serving_tokens
         self.engine = state.engine_client
         self._request = state.generate_request_model()
@@ -80,7 +89,7 @@ class EngineService:
     async def create(cls, args: AppArgs, model: ResolvedModel) -> EngineService:
         from serve_app._vllm import build_engine_state
 
-        return cls(await build_engine_state(args, model))
+        return cls(await build_engine_state(args, model), args.engine.stream_messages_per_s)
 
     async def _serve(self, body: bytes | dict, stream: bool | None, headers: Mapping[str, str] | None) -> Any:
         """Validate and start one request; returns vLLM's response model or its SSE generator."""
@@ -109,8 +118,9 @@ class EngineService:
         Errors before the first frame raise :class:`ApiError`; later ones arrive as vLLM's error frame.
         """
         frames = await self._serve(body, True, headers)
-        async for frame in frames:
-            yield frame
+        async with aclosing(self.pacer.pace(frames, engine_output_follows)) as paced:
+            async for frame in paced:
+                yield frame
 
     async def generate_stream(
         self, body: bytes | dict, headers: Mapping[str, str] | None = None
@@ -122,10 +132,11 @@ class EngineService:
             EngineStreamError: vLLM reported an error mid-stream.
         """
         frames = await self._serve(body, True, headers)
-        async for frame in frames:
-            chunk = parse_sse_frame(frame)
-            if chunk is not None:
-                yield chunk
+        async with aclosing(self.pacer.pace(frames, engine_output_follows)) as paced:
+            async for frame in paced:
+                chunk = parse_sse_frame(frame)
+                if chunk is not None:
+                    yield chunk
 
     async def abort(self, request_ids: list[str]) -> None:
         """Abort running requests by engine request id (``generate-tokens-...``); unknown ids are ignored."""

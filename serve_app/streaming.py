@@ -5,17 +5,20 @@
   early error is still a real status code rather than an in-band frame.
 * :func:`cancel_on_close`: a streaming handle call as an async iterator whose ``aclose()`` cancels
   the call downstream (a client disconnect aborts the engine request).
+* :class:`StreamPacer`: caps the messages per second a replica's streams send together, so that
+  past the cap each message carries the several tokens made meanwhile instead of one.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from serve_app.wire import dump_json
 
-__all__ = ["SSE_DONE", "cancel_on_close", "peek", "sse_frame", "sse_response", "sse_stream"]
+__all__ = ["SSE_DONE", "StreamPacer", "cancel_on_close", "peek", "sse_frame", "sse_response", "sse_stream"]
 
 T = TypeVar("T")
 
@@ -115,3 +118,47 @@ async def sse_response(frames: AsyncGenerator[bytes, None]) -> Any:
 
     _, frames = await peek(frames)
     return StreamingResponse(frames, media_type="text/event-stream")
+
+
+class StreamPacer:
+    """Paces the streams of one replica to about ``rate`` messages per second in all.
+
+    Each message a replica sends costs it the same CPU whatever it carries (a Serve streaming reply,
+    framing, the consumer's wake-up), so a replica with many streams at one token per message can
+    spend its core on messages. With ``n`` streams sending, each stream waits ``n / rate`` s (at most
+    ``max_delay_s``) after a message before it asks its source for the next item; a source that
+    merges what was made meanwhile (vLLM's ``RequestOutputCollector``) then hands several tokens in
+    order in one item. Below the cap the waits are under the time the next token takes anyway and
+    nothing merges. The first item is never held, nor the items after one that ends the output
+    (``more(item)`` false: the finish, usage and ``[DONE]`` follow at once). ``rate <= 0`` is off.
+    ``max_delay_s`` is Ray Serve LLM's ``stream_batching_interval_ms`` default, 50 ms.
+    """
+
+    def __init__(self, rate: float, max_delay_s: float = 0.05) -> None:
+        self.rate = rate
+        self.max_delay_s = max_delay_s
+        self.sending = 0  # streams past their first item, on this replica
+
+    async def pace(
+        self, items: AsyncIterator[T], more: Callable[[T], bool] | None = None
+    ) -> AsyncGenerator[T, None]:
+        """``items`` as they are, with the waits; closing this closes ``items`` (an engine request is aborted)."""
+        counted = False
+        try:
+            async for item in items:
+                sent = time.monotonic()
+                yield item
+                if self.rate <= 0 or (more is not None and not more(item)):
+                    continue
+                if not counted:
+                    counted = True
+                    self.sending += 1
+                delay = min(self.max_delay_s, self.sending / self.rate) - (time.monotonic() - sent)
+                if delay > 0.0005:
+                    await asyncio.sleep(delay)
+        finally:
+            if counted:
+                self.sending -= 1
+            aclose = getattr(items, "aclose", None)
+            if aclose is not None:
+                await aclose()

@@ -274,7 +274,8 @@ def engine_app_url(serve_instance: None, model_dirs: dict[str, Path]) -> str:
         model="qwen3-tiny",
         **QWEN3_PARSER_ARGS,
         colocate_in_ingress=["render", "plain_derender"],
-        engine={"enabled": True, **CPU_ENGINE, "logits_processors": [SCRIPTED_LOGITS_PROCESSOR]},
+        # Paced hard (50 ms waits): every engine-app test runs on streams whose messages merge tokens.
+        engine={"enabled": True, **CPU_ENGINE, "logits_processors": [SCRIPTED_LOGITS_PROCESSOR], "stream_messages_per_s": 20},
     )
 
 

@@ -168,6 +168,28 @@ class TestByHandle:
         assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
         assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"] == "length"
 
+    def test_paced_streams_carry_merged_tokens_in_order(self, engine_app_url):
+        """The session's engine is paced at 20 messages/s: concurrent streams get every scripted token,
+        in order, with messages carrying several tokens, and the finish on the last one."""
+        from ray import serve
+
+        engine = serve.get_deployment_handle("Engine", app_name="engine_app")
+        scripts = [list(range(1000 + 100 * s, 1060 + 100 * s)) for s in range(4)]
+
+        async def stream(script: list[int]) -> list[dict]:
+            body = {"token_ids": PROMPT, "sampling_params": {"temperature": 0, "max_tokens": len(script),
+                                                             "extra_args": {"scripted_output": script}}}
+            return [c async for c in engine.options(stream=True).generate_stream.remote(body)]
+
+        async def all_streams() -> list[list[dict]]:
+            return await asyncio.gather(*(stream(s) for s in scripts))
+
+        for script, chunks in zip(scripts, asyncio.run(all_streams()), strict=True):
+            choices = [c["choices"][0] for c in chunks]
+            assert [t for c in choices for t in c["token_ids"]] == script
+            assert max(len(c["token_ids"]) for c in choices) > 1
+            assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+
     def test_handle_errors_are_api_errors(self, engine_app_url):
         from ray import serve
 
