@@ -19,7 +19,7 @@ parallel; the composed path moves a request whose replica died to another one (s
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import aclosing
 from typing import Any
 
@@ -112,7 +112,7 @@ class EngineService:
 
     async def generate_sse(
         self, body: bytes | dict, headers: Mapping[str, str] | None = None
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         """Streaming generate, vLLM's SSE frames as they are (``data: {...}\\n\\n`` ... ``data: [DONE]``).
 
         Errors before the first frame raise :class:`ApiError`; later ones arrive as vLLM's error frame.
@@ -131,9 +131,8 @@ class EngineService:
             ApiError: before the first chunk (validation, model, admission).
             EngineStreamError: vLLM reported an error mid-stream.
         """
-        frames = await self._serve(body, True, headers)
-        async with aclosing(self.pacer.pace(frames, engine_output_follows)) as paced:
-            async for frame in paced:
+        async with aclosing(self.generate_sse(body, headers)) as frames:
+            async for frame in frames:
                 chunk = parse_sse_frame(frame)
                 if chunk is not None:
                     yield chunk

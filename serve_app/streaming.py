@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
 from serve_app.wire import dump_json
@@ -140,7 +140,7 @@ class StreamPacer:
         self.sending = 0  # streams past their first item, on this replica
 
     async def pace(
-        self, items: AsyncIterator[T], more: Callable[[T], bool] | None = None
+        self, items: AsyncGenerator[T, None], more: Callable[[T], bool] | None = None
     ) -> AsyncGenerator[T, None]:
         """``items`` as they are, with the waits; closing this closes ``items`` (an engine request is aborted)."""
         counted = False
@@ -159,6 +159,4 @@ class StreamPacer:
         finally:
             if counted:
                 self.sending -= 1
-            aclose = getattr(items, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await items.aclose()
