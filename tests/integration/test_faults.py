@@ -133,6 +133,20 @@ def _wait_routed_to_every_ingress(app_url: str, timeout_s: float = 120) -> None:
         time.sleep(1)
 
 
+def _busiest_ingress() -> int:
+    """The process of the Ingress replica with the most requests in flight (with four streams and
+    this scrape open over two replicas, it holds at two or more, so at least one stream)."""
+    in_flight = {
+        line.split('replica="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(f"http://127.0.0.1:{SERVE_HTTP_PORT}/{APP}/metrics", timeout=30).text.splitlines()
+        if line.startswith("serve_app_http_requests_in_flight{") and 'replica="' in line
+    }
+    pids = _replica_pids("Ingress")
+    busiest = max(pids, key=lambda r: in_flight.get(r, 0.0))
+    assert in_flight.get(busiest, 0.0) >= 2, (in_flight, pids)
+    return pids[busiest]
+
+
 def _replica_pids(deployment: str) -> dict[str, int]:
     """Replica unique id -> process id, for the live replicas of ``deployment``."""
     import ray
@@ -354,7 +368,6 @@ def test_ingress_replica_killed_mid_composed_stream_retry_is_identical(app, tok)
     assert done
     _wait_running("Ingress", 2)
     _wait_routed_to_every_ingress(app)  # so the streams spread over both (an earlier test killed one)
-    victim = next(iter(_replica_pids("Ingress").values()))
     opened = threading.Barrier(4 + 1)
     results: list[tuple[list[dict], bool]] = []
 
@@ -367,8 +380,8 @@ def test_ingress_replica_killed_mid_composed_stream_retry_is_identical(app, tok)
 
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(client) for _ in range(4)]
-        opened.wait(timeout=120)  # four streams are open: two per replica with power-of-two routing
-        _sigkill(victim)
+        opened.wait(timeout=120)  # four streams are open, spread by the proxy's power-of-two routing
+        _sigkill(_busiest_ingress())  # the proxy balances by its own view: kill one that holds streams
         results = [f.result() for f in futures]
     cut = [frames for frames, done in results if not done]
     wanted = _joined(clean)
