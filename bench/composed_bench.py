@@ -26,8 +26,11 @@ the last CPU and every other process of the run (the servers' front ends, Ray, H
 the others: the serving tiers off the model's cores, as on a GPU node, where the forward pass does not
 run on the CPU tier's cores. Each engine then has one core instead of sharing two.
 
+``--stream-messages-per-s R`` runs ours' Engine with its streams paced at R messages/s per replica
+(``engine.stream_messages_per_s``, :class:`serve_app.streaming.StreamPacer`) instead of the shipped default.
+
 Results: ``bench/results/composed.md``, ``.json`` and ``composed.png`` (tok/s, TTFT p50, ITL p99 against c);
-``composed-split.*`` with ``--split-cores``.
+``composed-split.*`` with ``--split-cores``, ``...-pace<R>.*`` with ``--stream-messages-per-s``.
 """
 
 from __future__ import annotations
@@ -65,10 +68,12 @@ SYSTEMS = ("ours", "vllm")
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms")
 
 
-def ours_app_args() -> dict[str, Any]:
+def ours_app_args(stream_messages_per_s: float | None = None) -> dict[str, Any]:
+    """``stream_messages_per_s``: the Engine's stream pacing (``engine.stream_messages_per_s``); ``None``: the shipped default."""
+    pace = {} if stream_messages_per_s is None else {"stream_messages_per_s": stream_messages_per_s}
     return {**APP_ARGS, "colocate_in_ingress": shipped_colocate(), "deployments": {"ingress": {"num_replicas": INGRESS_REPLICAS}},
             "engine": {"enabled": True, "enforce_eager": True, "tokens_only": True, "max_num_seqs": MAX_NUM_SEQS,
-                       "kv_cache_memory_bytes": KV_BYTES, "logits_processors": [SCRIPTED_PROCESSOR]}}
+                       "kv_cache_memory_bytes": KV_BYTES, "logits_processors": [SCRIPTED_PROCESSOR], **pace}}
 
 
 class CoupledServe(VllmServe):
@@ -342,6 +347,8 @@ def render_report(data: dict[str, Any]) -> str:
     cs = sorted({r["concurrency"] for r in data["cases"]})
     o = data["options"]
     split_flag = " --split-cores" if o.get("split_cores") else ""
+    pace = o.get("stream_messages_per_s")
+    split_flag += f" --stream-messages-per-s {pace:g}" if pace is not None else ""
     lines = [
         "# Composed API vs coupled `vllm serve` (`vllm bench serve`, openai-chat)",
         "",
@@ -354,7 +361,9 @@ def render_report(data: dict[str, Any]) -> str:
         + f", {o['output_len']} output tokens "
         f"(`--ignore-eos`), temperature 0 · both engines: qwen3-tiny, eager CPU, max_num_seqs {MAX_NUM_SEQS}, "
         f"{KV_BYTES >> 20} MiB KV cache · ours as `make run` (HAProxy, Ingress ×2 with render and derender colocated, "
-        "tokens-only Engine ×1) · vLLM: coupled `vllm serve`, same flags and parsers · "
+        "tokens-only Engine ×1"
+        + (f", its streams paced at {pace:g} messages/s" if pace is not None else "")
+        + ") · vLLM: coupled `vllm serve`, same flags and parsers · "
         + (_split_line(data["setup"].get("split_cores", {})) if o.get("split_cores") else
            "the client, both servers and both engines share the machine's CPUs")
         + "; the systems take turns at each concurrency.",
@@ -545,6 +554,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", type=float, default=0.0, help="py-spy ours' replicas for this many seconds at the highest c")
     ap.add_argument("--split-cores", action="store_true",
                     help="engines' model processes on the last CPU, everything else on the others (default out: results/composed-split)")
+    ap.add_argument("--stream-messages-per-s", type=float, default=None,
+                    help="ours' engine.stream_messages_per_s (default: the shipped default; default out: ...-pace<R>)")
     ap.add_argument("--out", type=Path, default=None, help="output path without extension (default: results/composed[-tools][-split])")
     ap.add_argument("--append", action="store_true", help="add these cases to --out's JSON (replacing the same c)")
     ap.add_argument("--from-json", type=Path, help="only redo the report and the plot from a results JSON")
@@ -561,7 +572,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     opts.concurrency = [int(x) for x in listed(ap, opts.concurrency)]
     opts.out = opts.out or RESULTS / ("composed" + ("" if opts.workload == "random" else f"-{opts.workload}")
-                                      + ("-split" if opts.split_cores else ""))
+                                      + ("-split" if opts.split_cores else "")
+                                      + ("" if opts.stream_messages_per_s is None else f"-pace{opts.stream_messages_per_s:g}"))
     systems = listed(ap, opts.systems, SYSTEMS)
     opts.cpus = sorted(os.sched_getaffinity(0))  # what this run may use, before --split-cores moves anything
     if opts.split_cores and len(opts.cpus) < 2:
@@ -579,7 +591,7 @@ def main(argv: list[str] | None = None) -> None:
     setup = data["setup"]
     vllm = {"serve": CoupledServe(model_dir, "composed-vllm-serve.log", kv_cache_bytes=KV_BYTES, max_num_seqs=MAX_NUM_SEQS,
                                   scale_out=False)} if "vllm" in systems else {}
-    ours = ours_app_args() if "ours" in systems else None
+    ours = ours_app_args(opts.stream_messages_per_s) if "ours" in systems else None
     with vllm_and_ours(vllm, ours, setup, namespace="composed_bench", ingress=INGRESS_REPLICAS) as base:
         groups = {v.proc.pid: "vllm" for v in vllm.values() if v.proc is not None}
         bases = {**({"ours": base} if base else {}), **({"vllm": vllm["serve"].base} if vllm else {})}
