@@ -1,7 +1,7 @@
 """Composed API against coupled ``vllm serve``, measured with vLLM's own client (``vllm bench serve``).
 
-    flock /tmp/heavy.lock .venv/bin/python -m bench.composed_bench                      # c = 1, 16, 64
-    flock /tmp/heavy.lock .venv/bin/python -m bench.composed_bench --concurrency 64 --append   # one more part
+    flock /tmp/serve_app_heavy.lock .venv/bin/python -m bench.composed_bench                      # c = 1, 16, 64
+    flock /tmp/serve_app_heavy.lock .venv/bin/python -m bench.composed_bench --concurrency 64 --append   # one more part
     .venv/bin/python -m bench.composed_bench --from-json bench/results/composed.json    # report and plot again
 
 One run starts both servers on the same machine with the same engine (qwen3-tiny, the shipped
