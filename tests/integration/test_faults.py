@@ -360,8 +360,8 @@ def test_ingress_replica_killed_mid_parser_stream_sent_with_session_header_retri
 
 
 def test_ingress_replica_killed_mid_composed_stream_retry_is_identical(app, tok):
-    """Composed streams are derendered in the Ingress: SIGKILL one Ingress replica while streams are
-    open on both. A stream it served is cut (no ``[DONE]``); retried, it runs on the other replica,
+    """Composed streams are derendered in the Ingress: SIGKILL the Ingress replica holding the most of
+    four open streams. A stream it served is cut (no ``[DONE]``); retried, it runs on the other replica,
     and every stream's final output equals a clean run's."""
     body = _composed_body(tok, LONG_ANSWER)
     clean, done = _composed_stream(app, body)
