@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 
 from tests.conftest import CPU_ENGINE, QWEN3_PARSER_ARGS, SCRIPTED_LOGITS_PROCESSOR, SERVE_HTTP_PORT
 from tests.harness.derender_stream import carry_state, split, token_chunks
+from tests.harness.metrics import summed_by
 from tests.integration.test_parser_derender import CHAT_REQUEST, OUTPUT, _chunk_body
 
 APP = "faults"
@@ -122,25 +123,18 @@ def _wait_routed_to_every_ingress(app_url: str, timeout_s: float = 120) -> None:
     while True:
         for _ in range(8):
             httpx.get(f"{app_url}/v1/models", timeout=10)
-        served = {
-            line.split('replica="', 1)[1].split('"', 1)[0]
-            for line in httpx.get(f"{app_url}/metrics", timeout=30).text.splitlines()
-            if line.startswith("serve_app_http_requests_total{") and 'route="/v1/models"' in line and 'replica="' in line
-        }
+        by_route = summed_by(httpx.get(f"{app_url}/metrics", timeout=30).text, "serve_app_http_requests_total", "route", "replica")
+        served = {key.split(" ", 1)[1] for key in by_route if key.startswith("/v1/models ")}
         if set(_replica_pids("Ingress")) <= served:
             return
         assert time.monotonic() < deadline, (served, _replica_pids("Ingress"))
         time.sleep(1)
 
 
-def _busiest_ingress() -> int:
+def _busiest_ingress(app_url: str) -> int:
     """The process of the Ingress replica with the most requests in flight (with four streams and
     this scrape open over two replicas, it holds at two or more, so at least one stream)."""
-    in_flight = {
-        line.split('replica="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in httpx.get(f"http://127.0.0.1:{SERVE_HTTP_PORT}/{APP}/metrics", timeout=30).text.splitlines()
-        if line.startswith("serve_app_http_requests_in_flight{") and 'replica="' in line
-    }
+    in_flight = summed_by(httpx.get(f"{app_url}/metrics", timeout=30).text, "serve_app_http_requests_in_flight", "replica")
     pids = _replica_pids("Ingress")
     busiest = max(pids, key=lambda r: in_flight.get(r, 0.0))
     assert in_flight.get(busiest, 0.0) >= 2, (in_flight, pids)
@@ -381,7 +375,7 @@ def test_ingress_replica_killed_mid_composed_stream_retry_is_identical(app, tok)
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(client) for _ in range(4)]
         opened.wait(timeout=120)  # four streams are open, spread by the proxy's power-of-two routing
-        _sigkill(_busiest_ingress())  # the proxy balances by its own view: kill one that holds streams
+        _sigkill(_busiest_ingress(app))  # the proxy balances by its own view: kill one that holds streams
         results = [f.result() for f in futures]
     cut = [frames for frames, done in results if not done]
     wanted = _joined(clean)
