@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from serve_app.config import AppArgs, ResolvedModel
@@ -34,6 +36,7 @@ __all__ = [
     "load_chat_template",
     "parse_engine_args",
     "render_request_models",
+    "template_inline",
     "vllm_cli_args",
     "vllm_sanitize_message",
 ]
@@ -247,6 +250,7 @@ async def build_render_state(args: AppArgs, model: ResolvedModel, extra_argv: li
     state = State()
     await init_render_app_state(vllm_config, state, ns)
     _tokenize_big_prompts_apart(state.online_renderer.renderer)
+    _template_small_requests_inline(state.online_renderer.renderer)
     return RenderState(state)
 
 
@@ -333,6 +337,39 @@ def _tokenize_big_prompts_apart(renderer: Any) -> None:
         return (long if _is_big_prompt(prompt) else short)(prompt, params)
 
     renderer._tokenize_prompt_async = tokenize
+
+
+_template_inline: ContextVar[bool] = ContextVar("template_inline", default=False)
+
+
+@contextmanager
+def template_inline(on: bool) -> Iterator[None]:
+    """Within it, this task's chat renders apply the template on the event loop (``on``) or in vLLM's
+    renderer thread pool, as vLLM always does (:func:`_template_small_requests_inline`)."""
+    token = _template_inline.set(on)
+    try:
+        yield
+    finally:
+        _template_inline.reset(token)
+
+
+def _template_small_requests_inline(renderer: Any) -> None:
+    """vLLM applies every chat template in its renderer's thread pool. For an agent's turn (a 4-30 kB
+    body) the Jinja itself takes about 0.4 ms and the hop to the pool and back costs as much again in
+    CPU (in-process over ``bench/agent_workload.py`` turns). A render its caller marks light
+    (:func:`template_inline`; ``serve_app.render`` decides) skips the hop; the others still go to the
+    pool, under vLLM's render timeout."""
+    pooled = getattr(renderer, "_apply_chat_template_async", None)
+    if pooled is None:  # a renderer without Jinja templates (Mistral's, Harmony)
+        return
+    from vllm.renderers.hf import safe_apply_chat_template
+
+    async def apply(*args: Any, **kwargs: Any) -> Any:
+        if _template_inline.get():
+            return safe_apply_chat_template(*args, **kwargs)
+        return await pooled(*args, **kwargs)
+
+    renderer._apply_chat_template_async = apply
 
 
 def _is_big_prompt(prompt: Any) -> bool:

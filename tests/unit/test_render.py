@@ -116,3 +116,37 @@ class TestTemplateRoles:
     def test_a_hostile_template_is_scanned_in_one_pass(self):
         # Unclosed lists and strings after every "role ==": each is read a bounded way, not to the end.
         assert template_roles(["role == [" * 20000, "role == 'x" * 20000]) >= OPENAI_ROLES
+
+
+def test_small_bodies_apply_the_template_on_the_event_loop_others_in_vllms_pool(loop, monkeypatch):
+    """A chat render whose body is at most ``INLINE_TEMPLATE_BYTES`` runs Jinja on the event loop
+    (no hop to vLLM's renderer pool); a bigger body, more than ``INLINE_TEMPLATE_MESSAGES`` messages,
+    or a template the request brings, still runs in the pool. Where it ran changes nothing in the answer."""
+    import threading
+
+    from serve_app.render import INLINE_TEMPLATE_BYTES, INLINE_TEMPLATE_MESSAGES
+
+    args = AppArgs(model="qwen3-tiny", trust_request_chat_template=True)
+    service = loop.run_until_complete(RenderService.create(args, args.resolve()))
+    tokenizer = service.state.online_renderer.renderer.get_tokenizer()
+    threads: list[str] = []
+    apply = tokenizer.apply_chat_template
+
+    def spy(*a, **kw):
+        threads.append(threading.current_thread().name)
+        return apply(*a, **kw)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", spy)
+    small = {"messages": [{"role": "user", "content": "hi"}]}
+    big = {**small, "user": "x" * INLINE_TEMPLATE_BYTES}  # a field the prompt leaves out: same prompt
+    own = {**small, "chat_template": tokenizer.chat_template}
+    many = {"messages": [{"role": ("user", "assistant")[i % 2], "content": "a"} for i in range(INLINE_TEMPLATE_MESSAGES + 1)]}
+    answers = {}
+    for name, body in (("small", small), ("big", big), ("own", own), ("many", many)):
+        threads.clear()
+        answers[name] = json.loads(loop.run_until_complete(service.chat(json.dumps(body).encode())))
+        assert len(threads) == 1, threads
+        on_loop = threads[0] == threading.current_thread().name
+        assert on_loop is (name == "small"), (name, threads)
+    assert answers["small"]["token_ids"] == answers["big"]["token_ids"] == answers["own"]["token_ids"]
+    assert len(answers["many"]["token_ids"]) > INLINE_TEMPLATE_MESSAGES
