@@ -24,9 +24,10 @@ turn) two systems both rendered, the token ids must be identical; the report cou
 Results: ``bench/results/render_agent.md`` / ``.json`` / ``.png`` (req/s and p50 / p99 against concurrency).
 
 ``--profile`` instead measures one ``RenderService`` in this process (no HTTP, no Ray): CPU per render by
-stage, cache off and on, then vLLM's parser set-up with its special-token lexer shared
-(``serve_app._vllm.SharedDropInfo``) against built per parser, in alternating passes
-(``bench/results/render_agent_profile.{md,json}``).
+stage, cache off and on, then in alternating passes vLLM's parser set-up with its special-token lexer
+shared (``serve_app._vllm.SharedDropInfo``) against built per parser, and a light request's chat
+template on the event loop against in vLLM's thread pool; last, two services' caches with each
+conversation kept to one against its turns spread at random (``bench/results/render_agent_profile.{md,json}``).
 """
 
 from __future__ import annotations
@@ -395,6 +396,62 @@ async def _profile(n_conversations: int) -> dict[str, Any]:
         progress(f"{label}: {total / n * 1e3:.2f} ms CPU per request: "
                  + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
     out["parser set-up"] = await _parser_setup_ab(service, bodies)
+    out["template hop"] = await _template_hop_ab(service, bodies)
+    out["affinity"] = await _affinity_ab(n_conversations)
+    return out
+
+
+async def _template_hop_ab(service: Any, bodies: list[bytes], passes: int = 4) -> dict[str, float]:
+    """CPU ms per render (cache on) with a light request's chat template applied on the event loop (as
+    the app runs, ``serve_app.render._template_is_light``) and with every template sent to vLLM's renderer
+    thread pool (vLLM's way): alternating passes over the same requests, best of each."""
+    import serve_app.render as render_module
+
+    limit = render_module.INLINE_TEMPLATE_BYTES
+    best = {"event loop": math.inf, "pool": math.inf}
+    try:
+        for _ in range(passes):
+            for label, bytes_max in (("event loop", limit), ("pool", -1)):
+                render_module.INLINE_TEMPLATE_BYTES = bytes_max
+                cpu0 = time.process_time()
+                for body in bodies:
+                    await service.chat(body, "profile")
+                best[label] = min(best[label], (time.process_time() - cpu0) / len(bodies) * 1e3)
+    finally:
+        render_module.INLINE_TEMPLATE_BYTES = limit
+    best["light share"] = sum(len(b) <= limit for b in bodies) / len(bodies)
+    progress(f"template: {best['event loop']:.2f} ms CPU per render on the event loop, {best['pool']:.2f} in vLLM's pool")
+    return best
+
+
+async def _affinity_ab(n_conversations: int) -> dict[str, dict[str, float]]:
+    """Two Ingress replicas' piece caches, as two services with cold caches: each conversation's turns
+    kept to one service, or each turn sent to either at random (what round-robin does under concurrency);
+    turns interleaved across conversations as concurrent clients send them. Share of the prompt text
+    tokenized, and CPU ms per render (the cold turns included)."""
+    import random
+
+    from serve_app.config import AppArgs
+    from serve_app.render import RenderService
+
+    conversations = [[json.dumps(r).encode() for r in conversation(30_000 + s)] for s in range(n_conversations)]
+    rng = random.Random(0)
+    pick = {"one replica per conversation": lambda c: c % 2, "turns at random": lambda c: rng.randrange(2)}
+    out = {}
+    for label, choose in pick.items():
+        app_args = AppArgs(**our_app_args(None))
+        services = [await RenderService.create(app_args, app_args.resolve()) for _ in range(2)]
+        n, cpu0 = 0, time.process_time()
+        for turn in range(max(map(len, conversations))):
+            for c, bodies in enumerate(conversations):
+                if turn < len(bodies):
+                    await services[choose(c)].chat(bodies[turn], "profile")
+                    n += 1
+        cpu = (time.process_time() - cpu0) / n * 1e3
+        hit = sum(s.prompt_cache.cache.stats.hit_chars for s in services)
+        miss = sum(s.prompt_cache.cache.stats.miss_chars for s in services)
+        out[label] = {"cpu_ms": cpu, "tokenized_share": miss / max(1, hit + miss), "requests": n}
+        progress(f"{label}: {cpu:.2f} ms CPU per render, {100 * miss / max(1, hit + miss):.1f}% of the prompt text tokenized")
     return out
 
 
@@ -445,6 +502,18 @@ def render_profile(data: dict[str, Any]) -> str:
                   f"of each: {setup['shared']:.2f} ms of CPU per render with one special-token lexer shared per tokenizer "
                   f"(`serve_app._vllm.SharedDropInfo`, as the app runs), {setup['per parser']:.2f} ms with vLLM building "
                   "it for every parser."]
+    hop = p.get("template hop")
+    if hop:
+        lines += ["", "The chat template's hop (alternating passes as above, best of each; "
+                  f"{100 * hop['light share']:.0f}% of these requests are light): {hop['event loop']:.2f} ms of CPU per render "
+                  "with a light request's template applied on the event loop (as the app runs), "
+                  f"{hop['pool']:.2f} ms with every template sent to vLLM's renderer thread pool (vLLM's way)."]
+    affinity = p.get("affinity")
+    if affinity:
+        lines += ["", "Two replicas' caches (two services, cold; other conversations than above, turns interleaved "
+                  "across conversations): " + "; ".join(
+                      f"{label}: {100 * a['tokenized_share']:.1f}% of the prompt text tokenized, {a['cpu_ms']:.2f} ms of "
+                      "CPU per render" for label, a in affinity.items()) + "."]
     lines.append("")
     return "\n".join(lines)
 
