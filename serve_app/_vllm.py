@@ -355,8 +355,8 @@ def template_inline(on: bool) -> Iterator[None]:
 
 def _template_small_requests_inline(renderer: Any) -> None:
     """vLLM applies every chat template in its renderer's thread pool. For an agent's turn (a 4-30 kB
-    body) the Jinja itself takes about 0.4 ms and the hop to the pool and back costs as much again in
-    CPU (in-process over ``bench/agent_workload.py`` turns). A render its caller marks light
+    body) the Jinja itself takes about 0.4 ms, and the hop to the pool and back adds ~4 % to a cached
+    render's CPU (``bench/render_agent_bench.py --profile``). A render its caller marks light
     (:func:`template_inline`; ``serve_app.render`` decides) skips the hop; the others still go to the
     pool, under vLLM's render timeout."""
     pooled = getattr(renderer, "_apply_chat_template_async", None)

@@ -8,12 +8,12 @@ through Ray), the fix for vLLM 0.32 dropping ``max_tokens`` when it equals 16, a
 message whose role the template would silently leave out of the prompt (:func:`check_roles`).
 
 Template application and tokenization, the CPU-heavy part of a big prompt, run in vLLM's renderer
-thread pool (``make_async`` in ``vllm/renderers``), off this replica's event loop, except for a light
-request (a small body, few messages, the server's own template), whose ~0.4 ms of Jinja costs less
-than the hop to the pool and back (:func:`_template_is_light`). Tokenization goes through an exact
-cache of prompt pieces (:mod:`serve_app.render_cache`, ``render_cache_bytes``) where the tokenizer
-allows it: an agent's next turn repeats the previous one's text, and only the new text is tokenized
-(``prompt_cache_status`` says whether it is on, and why not).
+thread pool (``make_async`` in ``vllm/renderers``), off this replica's event loop, except the template
+of a light request (a small body, few messages, the server's own template: ~0.4 ms of Jinja), which
+is applied here and spares the hop to the pool and back (:func:`_template_is_light`). Tokenization
+goes through an exact cache of prompt pieces (:mod:`serve_app.render_cache`, ``render_cache_bytes``)
+where the tokenizer allows it: an agent's next turn repeats the previous one's text, and only the new
+text is tokenized (``prompt_cache_status`` says whether it is on, and why not).
 """
 
 from __future__ import annotations
