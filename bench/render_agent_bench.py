@@ -25,8 +25,9 @@ Results: ``bench/results/render_agent.md`` / ``.json`` / ``.png`` (req/s and p50
 
 ``--profile`` instead measures one ``RenderService`` in this process (no HTTP, no Ray): CPU per render by
 stage, cache off and on, then in alternating passes vLLM's parser set-up with its special-token lexer
-shared (``serve_app._vllm.SharedDropInfo``) against built per parser, and a light request's chat
-template on the event loop against in vLLM's thread pool; last, two services' caches with each
+shared (``serve_app._vllm.SharedDropInfo``) against built per parser, a light request's chat
+template on the event loop against in vLLM's thread pool, and the template sandbox's attribute checks
+memoized against Jinja's own; last, two services' caches with each
 conversation kept to one against its turns spread at random (``bench/results/render_agent_profile.{md,json}``).
 """
 
@@ -397,6 +398,7 @@ async def _profile(n_conversations: int) -> dict[str, Any]:
                  + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
     out["parser set-up"] = await _parser_setup_ab(service, bodies)
     out["template hop"] = await _template_hop_ab(service, bodies)
+    out["template sandbox"] = await _template_sandbox_ab(service, bodies)
     out["affinity"] = await _affinity_ab(n_conversations)
     return out
 
@@ -421,6 +423,32 @@ async def _template_hop_ab(service: Any, bodies: list[bytes], passes: int = 4) -
         render_module.INLINE_TEMPLATE_BYTES = limit
     best["light share"] = sum(len(b) <= limit for b in bodies) / len(bodies)
     progress(f"template: {best['event loop']:.2f} ms CPU per render on the event loop, {best['pool']:.2f} in vLLM's pool")
+    return best
+
+
+async def _template_sandbox_ab(service: Any, bodies: list[bytes], passes: int = 4) -> dict[str, float]:
+    """CPU ms per render (cache on) with chat templates compiled in the app's Jinja sandbox, its attribute
+    verdicts kept per (type, name) (``serve_app._vllm.memoize_template_sandbox``), and in Jinja's own
+    ``ImmutableSandboxedEnvironment``: alternating passes over the same requests, best of each."""
+    import jinja2.sandbox
+    import transformers.utils.chat_template_utils as chat_templates
+
+    ours = chat_templates.ImmutableSandboxedEnvironment
+    best = {"memoized": math.inf, "jinja": math.inf}
+    try:
+        for _ in range(passes):
+            for label, env in (("memoized", ours), ("jinja", jinja2.sandbox.ImmutableSandboxedEnvironment)):
+                chat_templates.ImmutableSandboxedEnvironment = env
+                chat_templates._compile_jinja_template.cache_clear()
+                await service.chat(bodies[0], "profile")  # compiles the template
+                cpu0 = time.process_time()
+                for body in bodies:
+                    await service.chat(body, "profile")
+                best[label] = min(best[label], (time.process_time() - cpu0) / len(bodies) * 1e3)
+    finally:
+        chat_templates.ImmutableSandboxedEnvironment = ours
+        chat_templates._compile_jinja_template.cache_clear()
+    progress(f"template sandbox: {best['memoized']:.2f} ms CPU per render memoized, {best['jinja']:.2f} Jinja's own")
     return best
 
 
@@ -508,6 +536,12 @@ def render_profile(data: dict[str, Any]) -> str:
                   f"{100 * hop['light share']:.0f}% of these requests are light): {hop['event loop']:.2f} ms of CPU per render "
                   "with a light request's template applied on the event loop (as the app runs), "
                   f"{hop['pool']:.2f} ms with every template sent to vLLM's renderer thread pool (vLLM's way)."]
+    sandbox = p.get("template sandbox")
+    if sandbox:
+        lines += ["", "The template's sandbox (alternating passes as above, best of each): "
+                  f"{sandbox['memoized']:.2f} ms of CPU per render with its attribute checks kept per (type, name) "
+                  f"(`serve_app._vllm.memoize_template_sandbox`, as the app runs), {sandbox['jinja']:.2f} ms with Jinja's "
+                  "own `ImmutableSandboxedEnvironment` checking every read."]
     affinity = p.get("affinity")
     if affinity:
         lines += ["", "Two replicas' caches (two services, cold; other conversations than above, turns interleaved "

@@ -34,6 +34,7 @@ __all__ = [
     "engine_stat_loggers",
     "install_prompt_cache",
     "load_chat_template",
+    "memoize_template_sandbox",
     "parse_engine_args",
     "render_request_models",
     "template_inline",
@@ -251,6 +252,7 @@ async def build_render_state(args: AppArgs, model: ResolvedModel, extra_argv: li
     await init_render_app_state(vllm_config, state, ns)
     _tokenize_big_prompts_apart(state.online_renderer.renderer)
     _template_small_requests_inline(state.online_renderer.renderer)
+    memoize_template_sandbox()
     return RenderState(state)
 
 
@@ -370,6 +372,44 @@ def _template_small_requests_inline(renderer: Any) -> None:
         return await pooled(*args, **kwargs)
 
     renderer._apply_chat_template_async = apply
+
+
+def memoize_template_sandbox() -> None:
+    """Chat templates run in Jinja's ``ImmutableSandboxedEnvironment`` (transformers'
+    ``_cached_compile_jinja_template``), which checks every attribute a template reads
+    (``is_safe_attribute``: ~80 an agent turn, ``loop.index0``, ``ns.last_query_index``,
+    ``content.strip``) through a chain of ``isinstance`` tests, a third of the template's time. Jinja's
+    verdict (``is_internal_attribute``, ``modifies_known_mutable``) depends on nothing but the object's
+    type and the name for the builtin and Jinja types below, so here it is kept per (type, name); any
+    other type is checked every time, as before. Templates compiled from here on use it."""
+    import transformers.utils.chat_template_utils as chat_templates
+
+    if getattr(chat_templates.ImmutableSandboxedEnvironment, "memoized", False):
+        return
+    from jinja2.runtime import LoopContext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.utils import Namespace
+
+    plain_types = frozenset({str, int, float, bool, type(None), dict, list, tuple, LoopContext, Namespace})
+
+    class MemoizedSandbox(ImmutableSandboxedEnvironment):
+        memoized = True
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.verdicts: dict[tuple[type, str], bool] = {}  # bounded: the names these types have
+
+        def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+            kind = type(obj)
+            if kind not in plain_types:
+                return super().is_safe_attribute(obj, attr, value)
+            verdict = self.verdicts.get((kind, attr))
+            if verdict is None:
+                verdict = self.verdicts[(kind, attr)] = super().is_safe_attribute(obj, attr, value)
+            return verdict
+
+    chat_templates.ImmutableSandboxedEnvironment = MemoizedSandbox
+    chat_templates._compile_jinja_template.cache_clear()
 
 
 def _is_big_prompt(prompt: Any) -> bool:
