@@ -1,4 +1,5 @@
-"""The one module that reaches into vLLM internals.
+"""The one module that reaches into vLLM internals (and into the transformers chat-template code vLLM
+renders with).
 
 Render and ParserDerender build vLLM's own preprocessing stack here, exactly as ``vllm launch
 render`` does (same argument parser, same defaults, same ``init_render_app_state``), so templates,
