@@ -27,7 +27,8 @@ def _conversations() -> list[list[dict[str, Any]]]:
                                           {"role": "user", "content": f"  Task {k}: fix the build.\n"}]
         for t in range(4):
             call = {"id": f"c{k}{t}", "type": "function", "function": {"name": f"tool_{t % 3}", "arguments": json.dumps({"arg": str(t)})}}
-            messages.append({"role": "assistant", "content": f"\nStep {t}. ", "reasoning_content": f"Thinking {t} 🦜", "tool_calls": [call]})
+            messages.append({"role": "assistant", "content": f"\nStep {t}. ", "reasoning_content": f"Thinking {t} 🦜",
+                             "tool_calls": [call]})
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": f"<tool_response>result {t}</tool_response>"})
             if t == 1:
                 messages += [{"role": "assistant", "content": "<think>old</think>Done so far."}, {"role": "user", "content": "Go on."}]
