@@ -41,6 +41,7 @@ import math
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -403,22 +404,36 @@ async def _profile(n_conversations: int) -> dict[str, Any]:
     return out
 
 
-async def _template_hop_ab(service: Any, bodies: list[bytes], passes: int = 4) -> dict[str, float]:
-    """CPU ms per render (cache on) with a light request's chat template applied on the event loop (as
-    the app runs, ``serve_app.render._template_is_light``) and with every template sent to vLLM's renderer
-    thread pool (vLLM's way): alternating passes over the same requests, best of each."""
+async def _best_of_passes(service: Any, bodies: list[bytes], arms: dict[str, Callable[[], None]],
+                          passes: int = 4) -> dict[str, float]:
+    """CPU ms per render (cache on) under each arm, ``arms``: label -> what puts it in place, in
+    alternating passes over the same requests (one untimed render first, for what an arm rebuilds),
+    best of each. The caller puts back the app's own setting."""
+    best = dict.fromkeys(arms, math.inf)
+    for _ in range(passes):
+        for label, put in arms.items():
+            put()
+            await service.chat(bodies[0], "profile")
+            cpu0 = time.process_time()
+            for body in bodies:
+                await service.chat(body, "profile")
+            best[label] = min(best[label], (time.process_time() - cpu0) / len(bodies) * 1e3)
+    return best
+
+
+async def _template_hop_ab(service: Any, bodies: list[bytes]) -> dict[str, float]:
+    """A light request's chat template applied on the event loop (as the app runs,
+    ``serve_app.render._template_is_light``) and every template sent to vLLM's renderer thread pool
+    (vLLM's way) (:func:`_best_of_passes`)."""
     import serve_app.render as render_module
 
     limit = render_module.INLINE_TEMPLATE_BYTES
-    best = {"event loop": math.inf, "pool": math.inf}
+
+    def use(bytes_max: int) -> Callable[[], None]:
+        return lambda: setattr(render_module, "INLINE_TEMPLATE_BYTES", bytes_max)
+
     try:
-        for _ in range(passes):
-            for label, bytes_max in (("event loop", limit), ("pool", -1)):
-                render_module.INLINE_TEMPLATE_BYTES = bytes_max
-                cpu0 = time.process_time()
-                for body in bodies:
-                    await service.chat(body, "profile")
-                best[label] = min(best[label], (time.process_time() - cpu0) / len(bodies) * 1e3)
+        best = await _best_of_passes(service, bodies, {"event loop": use(limit), "pool": use(-1)})
     finally:
         render_module.INLINE_TEMPLATE_BYTES = limit
     best["light share"] = sum(len(b) <= limit for b in bodies) / len(bodies)
@@ -426,28 +441,25 @@ async def _template_hop_ab(service: Any, bodies: list[bytes], passes: int = 4) -
     return best
 
 
-async def _template_sandbox_ab(service: Any, bodies: list[bytes], passes: int = 4) -> dict[str, float]:
-    """CPU ms per render (cache on) with chat templates compiled in the app's Jinja sandbox, its attribute
-    verdicts kept per (type, name) (``serve_app._vllm.memoize_template_sandbox``), and in Jinja's own
-    ``ImmutableSandboxedEnvironment``: alternating passes over the same requests, best of each."""
+async def _template_sandbox_ab(service: Any, bodies: list[bytes]) -> dict[str, float]:
+    """Chat templates compiled in the app's Jinja sandbox, its attribute verdicts kept per (type, name)
+    (``serve_app._vllm.memoize_template_sandbox``), and in Jinja's own ``ImmutableSandboxedEnvironment``
+    (:func:`_best_of_passes`)."""
     import jinja2.sandbox
     import transformers.utils.chat_template_utils as chat_templates
 
     ours = chat_templates.ImmutableSandboxedEnvironment
-    best = {"memoized": math.inf, "jinja": math.inf}
+
+    def use(env: type) -> Callable[[], None]:
+        def put() -> None:
+            chat_templates.ImmutableSandboxedEnvironment = env
+            chat_templates._compile_jinja_template.cache_clear()  # the template is compiled again, in env
+        return put
+
     try:
-        for _ in range(passes):
-            for label, env in (("memoized", ours), ("jinja", jinja2.sandbox.ImmutableSandboxedEnvironment)):
-                chat_templates.ImmutableSandboxedEnvironment = env
-                chat_templates._compile_jinja_template.cache_clear()
-                await service.chat(bodies[0], "profile")  # compiles the template
-                cpu0 = time.process_time()
-                for body in bodies:
-                    await service.chat(body, "profile")
-                best[label] = min(best[label], (time.process_time() - cpu0) / len(bodies) * 1e3)
+        best = await _best_of_passes(service, bodies, {"memoized": use(ours), "jinja": use(jinja2.sandbox.ImmutableSandboxedEnvironment)})
     finally:
-        chat_templates.ImmutableSandboxedEnvironment = ours
-        chat_templates._compile_jinja_template.cache_clear()
+        use(ours)()
     progress(f"template sandbox: {best['memoized']:.2f} ms CPU per render memoized, {best['jinja']:.2f} Jinja's own")
     return best
 
@@ -483,22 +495,18 @@ async def _affinity_ab(n_conversations: int) -> dict[str, dict[str, float]]:
     return out
 
 
-async def _parser_setup_ab(service: Any, bodies: list[bytes], passes: int = 4) -> dict[str, float]:
-    """CPU ms per render (cache on) with vLLM's parsers sharing one special-token lexer per tokenizer
-    (``serve_app._vllm.SharedDropInfo``, as the app runs) and with vLLM's own function building it per
-    parser: alternating passes over the same requests, best of each."""
+async def _parser_setup_ab(service: Any, bodies: list[bytes]) -> dict[str, float]:
+    """vLLM's parsers sharing one special-token lexer per tokenizer (``serve_app._vllm.SharedDropInfo``,
+    as the app runs) and vLLM's own function building it per parser (:func:`_best_of_passes`)."""
     from vllm.parser.engine import streaming_parser_engine as engine
 
     shared = engine._build_drop_info
-    best = {"shared": math.inf, "per parser": math.inf}
+
+    def use(build: Any) -> Callable[[], None]:
+        return lambda: setattr(engine, "_build_drop_info", build)
+
     try:
-        for _ in range(passes):
-            for label, build in (("shared", shared), ("per parser", shared.__wrapped__)):
-                engine._build_drop_info = build
-                cpu0 = time.process_time()
-                for body in bodies:
-                    await service.chat(body, "profile")
-                best[label] = min(best[label], (time.process_time() - cpu0) / len(bodies) * 1e3)
+        best = await _best_of_passes(service, bodies, {"shared": use(shared), "per parser": use(shared.__wrapped__)})
     finally:
         engine._build_drop_info = shared
     progress(f"parser set-up: {best['shared']:.2f} ms CPU per render shared, {best['per parser']:.2f} per parser")
