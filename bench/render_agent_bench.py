@@ -67,6 +67,8 @@ APP_ARGS: dict[str, Any] = {"model": "qwen3-tiny", "tool_call_parser": "hermes",
                             "enable_auto_tool_choice": True, "max_model_len": MAX_MODEL_LEN}
 LONG_LEN_ENV = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
 PATH = "/v1/chat/completions/render"
+SEEDS_PER_CASE = 100_000
+"""Conversation seeds of one concurrency case: far more conversations than a case runs (hundreds)."""
 SYSTEMS = ("vllm-x2", "ours-nocache", "ours")
 LABELS = {"vllm-x2": "2× vllm launch render + HAProxy", "ours-nocache": "serve_app, cache off", "ours": "serve_app"}
 
@@ -118,13 +120,14 @@ async def drive(base: str, convs: Conversations, concurrency: int, duration: flo
 
 
 async def measure_system(system: str, base: str, opts: argparse.Namespace) -> dict[str, Any]:
-    """Warm-up, then every concurrency of ``opts``; conversation seeds restart at the same number for
-    each concurrency, so every system renders the same conversations in the same order per client."""
-    convs = Conversations(first_seed=10_000)
+    """Warm-up, then every concurrency of ``opts``. Each concurrency has conversations of its own (seeds
+    from ``SEEDS_PER_CASE`` apart), the same for every system: no text a server rendered in an earlier
+    case comes back, so a prompt cache gains only from a conversation's own turns, as in real traffic."""
     warm = Conversations(first_seed=0)
     out: dict[str, Any] = {"system": system, "cases": [], "digests": {}}
     await drive(base, warm, 2, opts.warmup, f"{system} warm-up", {}, [])
-    for c in opts.concurrency:
+    for i, c in enumerate(opts.concurrency):
+        convs = Conversations(first_seed=SEEDS_PER_CASE * (i + 1))
         digests: dict[str, str] = {}
         tokens: list[int] = []
         res = await drive(base, convs, c, opts.duration, f"{system} c={c}", digests, tokens)
