@@ -15,7 +15,12 @@ Systems, one after the other (only one takes traffic at a time):
 * ``ours-nocache``: the project's app as ``make run`` serves it (``serve_config.yaml``'s colocated stages,
   2 Ingress replicas, the Makefile's Serve flags: HAProxy front door, throughput-optimized), the engine
   off (render only), ``render_cache_bytes: 0``: the render before the prompt-piece cache.
-* ``ours``: the same with the cache on (the default).
+* ``ours-nonode``: the same with each Ingress replica's own cache only (``render_cache_node_bytes: 0``).
+* ``ours``: the default: each replica's own cache, and the pieces shared by both through the machine-wide
+  store (``render_cache_node_bytes``), in a fresh directory for the run.
+
+Each concurrency case has conversations of its own (the same on every system), so no case finds text an
+earlier one sent: a cache gains only from a conversation's own earlier turns.
 
 ``max_model_len`` is 10240 on every side (prompts reach ~8k; qwen3-tiny declares 4096, so
 ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` is set for all: render never runs the model). For every (conversation,
@@ -28,7 +33,8 @@ stage, cache off and on, then in alternating passes vLLM's parser set-up with it
 shared (``serve_app._vllm.SharedDropInfo``) against built per parser, a light request's chat
 template on the event loop against in vLLM's thread pool, and the template sandbox's attribute checks
 memoized against Jinja's own; last, two services' caches with each
-conversation kept to one against its turns spread at random (``bench/results/render_agent_profile.{md,json}``).
+conversation kept to one against its turns spread at random, with and without the machine-wide store
+(``bench/results/render_agent_profile.{md,json}``).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import json
 import math
 import os
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -69,8 +76,9 @@ LONG_LEN_ENV = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
 PATH = "/v1/chat/completions/render"
 SEEDS_PER_CASE = 100_000
 """Conversation seeds of one concurrency case: far more conversations than a case runs (hundreds)."""
-SYSTEMS = ("vllm-x2", "ours-nocache", "ours")
-LABELS = {"vllm-x2": "2× vllm launch render + HAProxy", "ours-nocache": "serve_app, cache off", "ours": "serve_app"}
+SYSTEMS = ("vllm-x2", "ours-nocache", "ours-nonode", "ours")
+LABELS = {"vllm-x2": "2× vllm launch render + HAProxy", "ours-nocache": "serve_app, cache off",
+          "ours-nonode": "serve_app, no machine-wide store", "ours": "serve_app"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,11 +210,17 @@ def run_vllm(opts: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def our_app_args(cache_bytes: int | None) -> dict[str, Any]:
+def our_app_args(cache_bytes: int | None, node_dir: str | None = None) -> dict[str, Any]:
+    """make run's app args; ``node_dir``: the machine-wide piece store's directory (``None``: no store),
+    fresh for each run, so no run finds text an earlier one tokenized."""
     args: dict[str, Any] = {**APP_ARGS, "colocate_in_ingress": shipped_colocate(),
                             "deployments": {"ingress": {"num_replicas": 2}}}
     if cache_bytes is not None:
         args["render_cache_bytes"] = cache_bytes
+    if node_dir is None:
+        args["render_cache_node_bytes"] = 0
+    else:
+        args["render_cache_dir"] = node_dir
     return args
 
 
@@ -214,17 +228,18 @@ async def _worker_main(opts: argparse.Namespace, cfg: dict[str, Any]) -> dict[st
     from serve_app.app import build_app
     from serve_app.config import AppArgs
 
-    args = AppArgs(**our_app_args(cfg["cache_bytes"]))
-    port = free_port()
-    t0 = time.monotonic()
-    start_app(lambda: build_app(args), port=port, namespace=f"render_agent_{cfg['system']}")
-    base = f"http://127.0.0.1:{port}"
-    await wait_http(base + "/ready", 300, ok_in_a_row=2)
-    up = await wait_haproxy_up(2)
-    progress(f"{cfg['system']} up in {time.monotonic() - t0:.1f} s, HAProxy replicas up {up}, {replica_counts()}")
-    res = await measure_system(cfg["system"], base, opts)
-    res["startup_s"], res["haproxy_replicas_up"] = time.monotonic() - t0, up
-    return res
+    with tempfile.TemporaryDirectory(prefix="render-agent-node-cache-") as node_dir:
+        args = AppArgs(**our_app_args(cfg["cache_bytes"], None if cfg["system"] == "ours-nonode" else node_dir))
+        port = free_port()
+        t0 = time.monotonic()
+        start_app(lambda: build_app(args), port=port, namespace=f"render_agent_{cfg['system']}")
+        base = f"http://127.0.0.1:{port}"
+        await wait_http(base + "/ready", 300, ok_in_a_row=2)
+        up = await wait_haproxy_up(2)
+        progress(f"{cfg['system']} up in {time.monotonic() - t0:.1f} s, HAProxy replicas up {up}, {replica_counts()}")
+        res = await measure_system(cfg["system"], base, opts)
+        res["startup_s"], res["haproxy_replicas_up"] = time.monotonic() - t0, up
+        return res
 
 
 def run_ours(system: str, opts: argparse.Namespace) -> dict[str, Any]:
@@ -276,7 +291,9 @@ def render_report(data: dict[str, Any]) -> str:
         f"`--tool-call-parser hermes --reasoning-parser qwen3 --enable-auto-tool-choice`, `max_model_len` {MAX_MODEL_LEN}. "
         "Traffic (`bench/agent_workload.py`): each client runs agent conversations back to back, one render per turn, "
         "each the whole conversation so far (one system prompt and 8 tools shared by all, reasoning, tool calls, tool "
-        "results; every request new text). Per concurrency at least "
+        "results; every request new text; each concurrency its own conversations, the same on every system). "
+        "serve_app's two Ingress replicas share prompt pieces through the machine-wide store (a fresh directory "
+        "for the run), except in the *no machine-wide store* rows. Per concurrency at least "
         f"{o['duration']} s and one whole conversation per client; load generator aiohttp on the same 2 cores.",
         "",
         "| system | c | req/s | vs 2× vLLM | p50 ms | p99 ms | server CPU ms/req | prompt tokens min / p50 / max | errors |",
@@ -316,7 +333,7 @@ def plot(data: dict[str, Any], out: Path) -> None:
         progress("matplotlib missing: no plot")
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    colors = {"vllm-x2": "#d62728", "ours-nocache": "#9ecae1", "ours": "#1f77b4"}
+    colors = {"vllm-x2": "#d62728", "ours-nocache": "#9ecae1", "ours-nonode": "#6baed6", "ours": "#1f77b4"}
     for r in data["results"]:
         cases = sorted((c for c in r.get("cases", []) if c.get("counts", {}).get("requests")), key=lambda c: c["concurrency"])
         xs = [c["concurrency"] for c in cases]
@@ -467,34 +484,43 @@ async def _template_sandbox_ab(service: Any, bodies: list[bytes]) -> dict[str, f
     return best
 
 
-async def _affinity_ab(n_conversations: int) -> dict[str, dict[str, float]]:
+async def _affinity_ab(n_conversations: int, rounds: int = 3) -> dict[str, dict[str, float]]:
     """Two Ingress replicas' piece caches, as two services with cold caches: each conversation's turns
     kept to one service, or each turn sent to either at random (what round-robin does under concurrency);
     turns interleaved across conversations as concurrent clients send them. Share of the prompt text
-    tokenized, and CPU ms per render (the cold turns included)."""
+    tokenized, and CPU ms per render (the cold turns included), best of ``rounds``."""
     import random
 
     from serve_app.config import AppArgs
     from serve_app.render import RenderService
 
     conversations = [[json.dumps(r).encode() for r in conversation(30_000 + s)] for s in range(n_conversations)]
-    rng = random.Random(0)
-    pick = {"one replica per conversation": lambda c: c % 2, "turns at random": lambda c: rng.randrange(2)}
-    out = {}
-    for label, choose in pick.items():
-        app_args = AppArgs(**our_app_args(None))
-        services = [await RenderService.create(app_args, app_args.resolve()) for _ in range(2)]
-        n, cpu0 = 0, time.process_time()
-        for turn in range(max(map(len, conversations))):
-            for c, bodies in enumerate(conversations):
-                if turn < len(bodies):
-                    await services[choose(c)].chat(bodies[turn], "profile")
-                    n += 1
-        cpu = (time.process_time() - cpu0) / n * 1e3
-        hit = sum(s.prompt_cache.cache.stats.hit_chars for s in services)
-        miss = sum(s.prompt_cache.cache.stats.miss_chars for s in services)
-        out[label] = {"cpu_ms": cpu, "tokenized_share": miss / max(1, hit + miss), "requests": n}
-        progress(f"{label}: {cpu:.2f} ms CPU per render, {100 * miss / max(1, hit + miss):.1f}% of the prompt text tokenized")
+    arms = {  # label: (spread the turns at random, pieces shared on the machine)
+        "one replica per conversation": (False, False),
+        "turns at random": (True, False),
+        "turns at random, pieces shared on the machine (as the app runs)": (True, True),
+    }
+    out: dict[str, dict[str, float]] = {}
+    for _ in range(rounds):  # alternating rounds, each arm cold every time; best CPU of each
+        for label, (spread, shared) in arms.items():
+            rng = random.Random(0)
+            with tempfile.TemporaryDirectory(prefix="render-agent-node-cache-") as node_dir:
+                # Two services in one process share one store, as two processes would (one LMDB environment).
+                app_args = AppArgs(**our_app_args(None, node_dir if shared else None))
+                services = [await RenderService.create(app_args, app_args.resolve()) for _ in range(2)]
+                n, cpu0 = 0, time.process_time()
+                for turn in range(max(map(len, conversations))):
+                    for c, bodies in enumerate(conversations):
+                        if turn < len(bodies):
+                            await services[rng.randrange(2) if spread else c % 2].chat(bodies[turn], "profile")
+                            n += 1
+                cpu = (time.process_time() - cpu0) / n * 1e3
+            stats = [s.prompt_cache.cache.stats for s in services]
+            total = sum(st.hit_chars + st.node_hit_chars + st.miss_chars for st in stats)
+            share = sum(st.miss_chars for st in stats) / max(1, total)
+            if cpu < out.get(label, {}).get("cpu_ms", math.inf):
+                out[label] = {"cpu_ms": cpu, "tokenized_share": share, "requests": n}
+            progress(f"{label}: {cpu:.2f} ms CPU per render, {100 * share:.1f}% of the prompt text tokenized")
     return out
 
 
@@ -556,7 +582,7 @@ def render_profile(data: dict[str, Any]) -> str:
     affinity = p.get("affinity")
     if affinity:
         lines += ["", "Two replicas' caches (two services, cold; other conversations than above, turns interleaved "
-                  "across conversations): " + "; ".join(
+                  "across conversations; best of 3 alternating rounds): " + "; ".join(
                       f"{label}: {100 * a['tokenized_share']:.1f}% of the prompt text tokenized, {a['cpu_ms']:.2f} ms of "
                       "CPU per render" for label, a in affinity.items()) + "."]
     lines.append("")

@@ -261,7 +261,8 @@ INLINE_NEW_CHARS = 8192
 """Most new (uncached) prompt characters tokenized on the event loop (~1 ms); more go to vLLM's thread pool."""
 
 
-def install_prompt_cache(state: RenderState, max_bytes: int) -> tuple[Any, str]:
+def install_prompt_cache(state: RenderState, max_bytes: int, node_dir: str | None = None,
+                         node_bytes: int = 0) -> tuple[Any, str]:
     """Tokenize chat prompts through :class:`serve_app.render_cache.PrefixTokenizer` (exact, cached by
     piece) instead of the tokenizer call in vLLM's ``BaseRenderer._tokenize_prompt``, where it is safe
     for this model's tokenizer and templates. Returns the encoder (``None``: not installed) and why.
@@ -275,7 +276,7 @@ def install_prompt_cache(state: RenderState, max_bytes: int) -> tuple[Any, str]:
     if templates is None:
         return None, "chat renders without Jinja (Harmony or the model's own renderer)"
     renderer = state.online_renderer.renderer
-    encoder, reason = PrefixTokenizer.for_tokenizer(renderer.get_tokenizer(), templates, max_bytes)
+    encoder, reason = PrefixTokenizer.for_tokenizer(renderer.get_tokenizer(), templates, max_bytes, node_dir, node_bytes)
     if encoder is None:
         return None, reason
     vllm_tokenize = renderer._tokenize_prompt

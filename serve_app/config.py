@@ -254,6 +254,23 @@ class AppArgs(_Strict):
             "are exactly the tokenizer's (serve_app/render_cache.py). 0 turns it off."
         ),
     )
+    render_cache_node_bytes: int = Field(
+        256 * 2**20,
+        ge=0,
+        description=(
+            "Bytes of the same prompt pieces shared by the render processes of one machine (a file under "
+            "render_cache_dir, emptied when full): a turn tokenized by one Ingress replica is found by the "
+            "others, wherever the front door sends the next turn. 0 turns it off; so does render_cache_bytes 0."
+        ),
+    )
+    render_cache_dir: str | None = Field(
+        None,
+        description=(
+            "Directory of the machine-wide render cache, one subdirectory per tokenizer. Default: "
+            "serve_app-render-cache in the system's temp directory (/tmp), which every replica of a node "
+            "or pod sees."
+        ),
+    )
     limits: RequestLimits = Field(default_factory=RequestLimits)
     parser_sessions: ParserSessionArgs = Field(default_factory=ParserSessionArgs)
     engine: EngineArgs = Field(default_factory=EngineArgs)

@@ -13,12 +13,16 @@ of a light request (a small body, few messages, the server's own template: ~0.4 
 is applied here and spares the hop to the pool and back (:func:`_template_is_light`). Tokenization
 goes through an exact cache of prompt pieces (:mod:`serve_app.render_cache`, ``render_cache_bytes``)
 where the tokenizer allows it: an agent's next turn repeats the previous one's text, and only the new
-text is tokenized (``prompt_cache_status`` says whether it is on, and why not).
+text is tokenized (``prompt_cache_status`` says whether it is on, and why not). The pieces are also
+shared by the render processes of one machine (``render_cache_node_bytes``), so a turn that reaches
+another Ingress replica than the conversation's last one still finds the earlier text tokenized.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 from typing import Any
 
 from ray import serve
@@ -112,12 +116,14 @@ async def _validated(validate: Any, token_ids: list[int]) -> None:
 class RenderService:
     """Ray-free render core over vLLM's ``ServingRender`` and ``ServingTokenization``."""
 
-    def __init__(self, state: RenderState, cache_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, state: RenderState, cache_bytes: int = DEFAULT_MAX_BYTES, node_dir: str | None = None,
+                 node_bytes: int = 0) -> None:
         from serve_app._vllm import render_request_models
 
         self.state = state
-        # Prompt pieces shared by a conversation's turns are tokenized once (serve_app/render_cache.py).
-        self.prompt_cache, self.prompt_cache_status = install_prompt_cache(state, cache_bytes)
+        # Prompt pieces shared by a conversation's turns are tokenized once (serve_app/render_cache.py),
+        # per process and, under node_dir, per machine.
+        self.prompt_cache, self.prompt_cache_status = install_prompt_cache(state, cache_bytes, node_dir, node_bytes)
         templates = state.chat_templates()
         self._roles = template_roles(templates) if templates is not None else None  # None: roles not checked here
         models = render_request_models()
@@ -133,7 +139,8 @@ class RenderService:
     async def create(cls, args: AppArgs, model: ResolvedModel) -> RenderService:
         from serve_app._vllm import build_render_state
 
-        return cls(await build_render_state(args, model), args.render_cache_bytes)
+        node_dir = args.render_cache_dir or os.path.join(tempfile.gettempdir(), "serve_app-render-cache")
+        return cls(await build_render_state(args, model), args.render_cache_bytes, node_dir, args.render_cache_node_bytes)
 
     async def _run(self, validator: Any, handler: Any, body: bytes | dict, raw_request: RawRequest | None) -> Any:
         """Parse, validate and serve one request; every failure leaves as an :class:`ApiError`.

@@ -26,23 +26,46 @@ Only encodes without special tokens added (a chat prompt: the template writes th
 and within the truncation length take this path; the caller falls back to the tokenizer otherwise.
 The cache encodes with a private copy of the tokenizer (no truncation or padding state shared with
 the caller's). Pure Python over ``tokenizers``: no Ray, no vLLM.
+
+Behind each process's LRU, :class:`NodePieceStore` shares pieces between the processes of one machine
+(LMDB, a memory-mapped file): a front door that spreads a conversation's turns over several replicas
+would otherwise have each replica tokenize the turns the others saw. Its directory is named after the
+tokenizer (its JSON and the cuts), so only the same tokenizer's ids are found there, and a piece is
+taken only if the text stored with it equals the piece.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 import re
 import sys
 import threading
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_MAX_BYTES", "CacheStats", "PieceCache", "PrefixTokenizer", "cache_verdict", "cut_tokens"]
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "DEFAULT_NODE_BYTES",
+    "CacheStats",
+    "NodePieceStore",
+    "PieceCache",
+    "PrefixTokenizer",
+    "cache_verdict",
+    "cut_tokens",
+]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 64 * 2**20
 """Per process: about 100 agent conversations of 8k tokens, pieces shared across them counted once."""
+DEFAULT_NODE_BYTES = 256 * 2**20
+"""Per machine and tokenizer (:class:`NodePieceStore`): a file of at most this size, emptied when full."""
 
 # Components that transform each piece on its own, whatever sits before or after it.
 _SAFE_NORMALIZERS = frozenset({
@@ -111,10 +134,15 @@ def _clear(cut: str, other: str) -> bool:
 @dataclass
 class CacheStats:
     hits: int = 0
+    """Pieces found in this process's LRU."""
     misses: int = 0
+    """Pieces tokenized."""
     evictions: int = 0
     hit_chars: int = 0
     miss_chars: int = 0
+    node_hits: int = 0
+    """Pieces found in the machine's :class:`NodePieceStore` (another process tokenized them)."""
+    node_hit_chars: int = 0
 
 
 class PieceCache:
@@ -149,14 +177,18 @@ class PieceCache:
                 self.count(pieces, found)
             return found
 
-    def count(self, pieces: list[str], found: list[array | None]) -> None:
+    def count(self, pieces: list[str], found: list[array | None], from_node: dict[str, array] | None = None) -> None:
+        """Counts each piece a hit, a node hit (a missing piece in ``from_node``) or a miss."""
         for p, ids in zip(pieces, found, strict=True):
-            if ids is None:
-                self.stats.misses += 1
-                self.stats.miss_chars += len(p)
-            else:
+            if ids is not None:
                 self.stats.hits += 1
                 self.stats.hit_chars += len(p)
+            elif from_node and p in from_node:
+                self.stats.node_hits += 1
+                self.stats.node_hit_chars += len(p)
+            else:
+                self.stats.misses += 1
+                self.stats.miss_chars += len(p)
 
     def put(self, piece: str, ids: array) -> None:
         cost = self.cost(piece, ids)
@@ -174,6 +206,121 @@ class PieceCache:
                 self.stats.evictions += 1
 
 
+_ID_BYTES = array("I").itemsize
+_LEN = 4  # bytes of a stored piece's text length
+
+
+class NodePieceStore:
+    """Piece text -> token ids, shared by every process of this machine that opens the same directory.
+
+    An LMDB environment (``lmdb``: a memory-mapped B+tree file, readers never blocked, one writer at a
+    time across processes): a read is ~1 us, a write transaction ~5 us. Keys are a 16-byte BLAKE2b of
+    the piece; the value holds the piece's text before its ids, and a read takes the ids only when that
+    text equals the piece, so ids are never taken for other text, digest collision or not. When the file
+    is full it is emptied and filled again (this process's LRU still holds its own pieces). Any error
+    turns the store off for this process (``broken`` says why); a render never fails for it.
+    """
+
+    def __init__(self, path: Path, max_bytes: int) -> None:
+        import lmdb
+
+        self.path, self.max_bytes = path, max_bytes
+        self.broken: str | None = None
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # No fsync (sync, metasync): a piece lost to a machine crash is tokenized again. Writes through
+        # write(), not the map (writemap off): a full filesystem is then an error, not a SIGBUS.
+        self._env = lmdb.open(str(path), map_size=max_bytes, sync=False, metasync=False, readahead=False,
+                              max_readers=1024, max_dbs=0)
+        self._env.reader_check()  # slots left by processes that died
+        self._lmdb_error = lmdb.Error
+        self._full = lmdb.MapFullError
+        self._max_value = max_bytes // 64  # one long /tokenize text must not empty the store
+
+    _opened: dict[Path, NodePieceStore] = {}
+    _opening = threading.Lock()
+
+    @classmethod
+    def open(cls, root: str | os.PathLike[str], fingerprint: str, max_bytes: int) -> tuple[NodePieceStore | None, str]:
+        """The store for one tokenizer under ``root``, or ``None`` and why not. One per directory and
+        process (LMDB opens an environment once per process): a second caller gets the same store."""
+        path = Path(root).absolute() / fingerprint
+        with cls._opening:
+            try:
+                store = cls._opened.get(path) or cls(path, max_bytes)
+            except Exception as exc:  # noqa: BLE001 - lmdb missing, a directory we may not write, a bad map size: off
+                return None, f"not shared on this machine ({path}: {exc})"
+            cls._opened[path] = store
+        return store, f"shared on this machine ({path})"
+
+    @staticmethod
+    def _key(raw: bytes) -> bytes:
+        return hashlib.blake2b(raw, digest_size=16).digest()
+
+    def _fail(self, exc: BaseException) -> None:
+        self.broken = f"{type(exc).__name__}: {exc}"
+        logger.warning("Render cache shared on this machine turned off in this process: %s", self.broken)
+
+    def get_many(self, pieces: list[str]) -> dict[str, array]:
+        """The stored ids of those of ``pieces`` found (stored text equal to the piece)."""
+        out: dict[str, array] = {}
+        if self.broken is not None:
+            return out
+        try:
+            with self._env.begin(buffers=True) as txn:
+                for piece in pieces:
+                    raw = piece.encode("utf-8", "surrogatepass")
+                    value = txn.get(self._key(raw))
+                    n = len(raw)
+                    if value is None or int.from_bytes(value[:_LEN], "little") != n or value[_LEN : _LEN + n] != raw:
+                        continue
+                    ids = array("I")
+                    ids.frombytes(value[_LEN + n :])
+                    out[piece] = ids
+        except self._lmdb_error as exc:
+            self._fail(exc)
+            return {}
+        return out
+
+    def put_many(self, items: dict[str, array]) -> None:
+        """Store each piece's ids (one write transaction); when the file is full, empty it first."""
+        if self.broken is not None:
+            return
+        values = []
+        for piece, ids in items.items():
+            raw = piece.encode("utf-8", "surrogatepass")
+            value = len(raw).to_bytes(_LEN, "little") + raw + ids.tobytes()
+            if len(value) <= self._max_value:
+                values.append((self._key(raw), value))
+        if not values:
+            return
+        try:
+            try:
+                self._write(values)
+            except self._full:
+                # Emptied in a transaction of its own: its pages are free for the next one, not for itself.
+                with self._env.begin(write=True) as txn:
+                    txn.drop(self._env.open_db(), delete=False)
+                try:
+                    self._write(values)
+                except self._full:
+                    pass  # these pieces alone fill the map: left out
+        except self._lmdb_error as exc:
+            self._fail(exc)
+
+    def _write(self, values: list[tuple[bytes, bytes]]) -> None:
+        with self._env.begin(write=True) as txn:
+            for key, value in values:
+                txn.put(key, value)
+
+
+def tokenizer_fingerprint(backend_json: str, cuts: list[str]) -> str:
+    """Names a :class:`NodePieceStore` directory: the tokenizer's JSON, the cuts and the value layout."""
+    h = hashlib.sha256(f"piece-store-1:{_ID_BYTES}:".encode())
+    h.update(json.dumps(cuts).encode())
+    h.update(backend_json.encode("utf-8", "surrogatepass"))
+    return h.hexdigest()[:32]
+
+
 class PrefixTokenizer:
     """``encode(text)``: the ids ``backend.encode(text, add_special_tokens=False)`` gives, from cached pieces.
 
@@ -181,15 +328,18 @@ class PrefixTokenizer:
     :func:`cut_tokens`. Build one with :meth:`for_tokenizer`, which checks the tokenizer first.
     """
 
-    def __init__(self, backend: Any, cuts: list[str], cache: PieceCache) -> None:
-        self.backend, self.cuts, self.cache = backend, cuts, cache
+    def __init__(self, backend: Any, cuts: list[str], cache: PieceCache, node: NodePieceStore | None = None) -> None:
+        self.backend, self.cuts, self.cache, self.node = backend, cuts, cache, node
         # Longest first: with the cuts clear of each other the order only matters for speed.
         self._cut = re.compile("|".join(re.escape(c) for c in sorted(cuts, key=len, reverse=True)))
 
     @classmethod
-    def for_tokenizer(cls, hf_tokenizer: Any, templates: list[str],
-                      max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[PrefixTokenizer | None, str]:
-        """A cache for a transformers fast tokenizer and its chat templates, or ``None`` and why not."""
+    def for_tokenizer(cls, hf_tokenizer: Any, templates: list[str], max_bytes: int = DEFAULT_MAX_BYTES,
+                      node_dir: str | os.PathLike[str] | None = None,
+                      node_bytes: int = DEFAULT_NODE_BYTES) -> tuple[PrefixTokenizer | None, str]:
+        """A cache for a transformers fast tokenizer and its chat templates, or ``None`` and why not;
+        shared with this machine's other processes under ``node_dir`` (:class:`NodePieceStore`) unless
+        that is ``None`` or ``node_bytes`` is 0."""
         from tokenizers import Tokenizer
 
         backend = getattr(hf_tokenizer, "_tokenizer", None)
@@ -206,7 +356,8 @@ class PrefixTokenizer:
         cuts = cut_tokens(spec, templates)
         if not cuts:
             return None, "the chat templates write no added token to cut after"
-        own = Tokenizer.from_str(backend.to_str())
+        backend_json = backend.to_str()
+        own = Tokenizer.from_str(backend_json)
         own.no_truncation()
         own.no_padding()
         own.encode_special_tokens = False
@@ -214,7 +365,12 @@ class PrefixTokenizer:
         reason = encoder.self_check(hf_tokenizer)
         if reason is not None:
             return None, reason
-        return encoder, f"on: cut after {', '.join(cuts)}"
+        status = f"on: cut after {', '.join(cuts)}"
+        if node_dir is not None and node_bytes > 0:
+            # The JSON of the tokenizer that encodes (no truncation, no padding), whatever the caller's state.
+            encoder.node, shared = NodePieceStore.open(node_dir, tokenizer_fingerprint(own.to_str(), cuts), node_bytes)
+            status += f"; {shared}"
+        return encoder, status
 
     def pieces(self, text: str) -> list[str]:
         """``text`` cut right after every cut token."""
@@ -237,13 +393,20 @@ class PrefixTokenizer:
         found = self.cache.get_many(pieces, count=False)
         if None in found:
             missing = list(dict.fromkeys(p for p, ids in zip(pieces, found, strict=True) if ids is None))
+            from_node = self.node.get_many(missing) if self.node is not None else {}
+            for p, ids in from_node.items():  # kept here too: the next turn finds them without the store
+                self.cache.put(p, ids)
+            missing = [p for p in missing if p not in from_node]
             if max_new_chars is not None and sum(map(len, missing)) > max_new_chars:
                 return None
-            self.cache.count(pieces, found)
-            encodings = self.backend.encode_batch_fast(missing, add_special_tokens=False)
+            self.cache.count(pieces, found, from_node)
+            encodings = self.backend.encode_batch_fast(missing, add_special_tokens=False) if missing else []
             new = {p: array("I", e.ids) for p, e in zip(missing, encodings, strict=True)}
             for p, ids in new.items():
                 self.cache.put(p, ids)
+            if new and self.node is not None:
+                self.node.put_many(new)
+            new.update(from_node)
             found = [new[p] if ids is None else ids for p, ids in zip(pieces, found, strict=True)]
         else:
             self.cache.count(pieces, found)

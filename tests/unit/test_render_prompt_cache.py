@@ -33,20 +33,24 @@ def loop():
 
 
 @pytest.fixture(scope="module")
-def services(loop) -> dict[str, RenderService]:
+def services(loop, tmp_path_factory: pytest.TempPathFactory) -> dict[str, RenderService]:
+    """``cached`` and ``other_replica``: two render processes' caches (each its own LRU) over one
+    machine-wide store in a fresh directory; ``vllm``: vLLM's own tokenizer call."""
+    node = {"render_cache_dir": str(tmp_path_factory.mktemp("render-node-cache"))}
     out = {}
-    for name, size in (("cached", None), ("vllm", 0)):
-        args = AppArgs(**ARGS, **({} if size is None else {"render_cache_bytes": size}))
+    for name, extra in (("cached", node), ("other_replica", node), ("vllm", {"render_cache_bytes": 0})):
+        args = AppArgs(**ARGS, **extra)
         out[name] = loop.run_until_complete(RenderService.create(args, args.resolve()))
     assert out["cached"].prompt_cache is not None, out["cached"].prompt_cache_status
+    assert out["cached"].prompt_cache.node is not None, out["cached"].prompt_cache_status
     assert out["vllm"].prompt_cache is None
     return out
 
 
-def _both(loop, services: dict[str, RenderService], method: str, body: dict[str, Any], rid: str) -> Any:
+def _both(loop, services: dict[str, RenderService], method: str, body: dict[str, Any], rid: str, cached: str = "cached") -> Any:
     raw = json.dumps(body).encode()
     answers = []
-    for service in (services["cached"], services["vllm"]):
+    for service in (services[cached], services["vllm"]):
         try:
             answers.append(loop.run_until_complete(getattr(service, method)(raw, rid)))
         except ApiError as exc:
@@ -80,6 +84,22 @@ def test_agent_turns_equal_vllm_cold_and_warm(loop, services: dict[str, RenderSe
                 assert out["token_ids"]
     stats = encoder.cache.stats
     assert stats.hit_chars > 5 * stats.miss_chars  # the turns shared most of their text
+
+
+def test_turns_alternating_between_replicas_equal_vllm_and_share_the_machine_store(loop, services: dict[str, RenderService]) -> None:
+    # A front door that spreads turns: each process tokenizes only what neither has seen.
+    caches = [services[name].prompt_cache for name in ("cached", "other_replica")]
+    before = [(c.cache.stats.node_hits,) for c in caches]
+    turn = 0
+    for k in range(10, 13):
+        messages = _conversation(k, 6)
+        for end in range(2, len(messages) + 1):
+            if messages[end - 1]["role"] in ("user", "tool"):
+                body = {"model": "qwen3-tiny", "messages": messages[:end], "tools": TOOLS, "tool_choice": "auto", "max_tokens": 32}
+                _both(loop, services, "chat", body, f"spread-{k}-{end}", ("cached", "other_replica")[turn % 2])
+                turn += 1
+    node_hits = [c.cache.stats.node_hits - b[0] for c, b in zip(caches, before, strict=True)]
+    assert all(n > 0 for n in node_hits), node_hits  # each found pieces the other had tokenized
 
 
 def test_a_cold_prompt_past_the_inline_budget_still_equals_vllm(loop, services: dict[str, RenderService]) -> None:
