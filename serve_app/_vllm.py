@@ -230,6 +230,11 @@ async def build_render_state(args: AppArgs, model: ResolvedModel, extra_argv: li
     # so the configured values are set once here instead.
     os.environ["VLLM_MAX_N_SEQUENCES"] = str(args.limits.max_n_sequences)
     os.environ["VLLM_MAX_COMPLETION_PROMPTS"] = str(args.limits.max_completion_prompts)
+    # `tokenizers` spreads a batch encode (the prompt cache's, transformers') over Rayon threads that spin
+    # before they sleep: CPU spent after every render when requests come one at a time, nothing gained
+    # when the box is busy (the issue 21 notes have the make run figures). The benchmarks always ran
+    # without it. An operator's own setting wins.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from starlette.datastructures import State
     from vllm import AsyncEngineArgs, envs
     from vllm.config import VllmConfig
