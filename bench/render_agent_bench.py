@@ -48,9 +48,12 @@ import os
 import subprocess
 import tempfile
 import time
+from array import array
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from bench.agent_workload import conversation
 from bench.common.load import Recorder, client_session, progress, run_sessions
@@ -100,7 +103,9 @@ class Conversations:
 
 
 def _digest(token_ids: list[int]) -> str:
-    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:24]
+    # Over the ids' machine bytes: a quarter of the client's CPU of joining them as text (~0.1 against
+    # 0.4 ms for 4k ids), which the client spends on the cores the servers share.
+    return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()[:24]
 
 
 async def drive(base: str, convs: Conversations, concurrency: int, duration: float, label: str,
@@ -119,7 +124,7 @@ async def drive(base: str, convs: Conversations, concurrency: int, duration: flo
                 if resp.status != 200:
                     raise RuntimeError(f"HTTP {resp.status}: {data[:300]!r}")
                 rec.count("requests")
-                ids = json.loads(data)["token_ids"]
+                ids = orjson.loads(data)["token_ids"]
                 digests[f"{seed}-{turn}"] = _digest(ids)
                 prompt_tokens.append(len(ids))
 
