@@ -271,7 +271,8 @@ class NodePieceStore:
                     raw = piece.encode("utf-8", "surrogatepass")
                     value = txn.get(self._key(raw))
                     n = len(raw)
-                    if value is None or int.from_bytes(value[:_LEN], "little") != n or value[_LEN : _LEN + n] != raw:
+                    if (value is None or int.from_bytes(value[:_LEN], "little") != n or value[_LEN : _LEN + n] != raw
+                            or (len(value) - _LEN - n) % _ID_BYTES):
                         continue
                     ids = array("I")
                     ids.frombytes(value[_LEN + n :])
@@ -298,6 +299,8 @@ class NodePieceStore:
                 self._write(values)
             except self._full:
                 # Emptied in a transaction of its own: its pages are free for the next one, not for itself.
+                # Reader slots a killed process left would pin the old pages: cleared first.
+                self._env.reader_check()
                 with self._env.begin(write=True) as txn:
                     txn.drop(self._env.open_db(), delete=False)
                 try:

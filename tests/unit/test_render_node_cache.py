@@ -94,6 +94,21 @@ def test_a_stored_value_for_other_text_is_not_taken(tok: Any, tmp_path: Path) ->
     assert again.encode(text) == want and again.cache.stats.misses == 0
 
 
+def test_a_stored_value_with_torn_ids_is_not_taken(tok: Any, tmp_path: Path) -> None:
+    text = _text(tok)
+    first = _encoder(tok, tmp_path)
+    first.encode(text)
+    store = first.node
+    assert store is not None
+    with store._env.begin(write=True) as txn:  # each piece's right text, then ids one byte short
+        for piece in first.pieces(text):
+            raw = piece.encode()
+            txn.put(store._key(raw), len(raw).to_bytes(4, "little") + raw + b"\x01\x02\x03")
+    cold = PrefixTokenizer(first.backend, first.cuts, PieceCache(), store)
+    assert cold.encode(text) == tok(text, add_special_tokens=False)["input_ids"]
+    assert cold.cache.stats.node_hits == 0 and store.broken is None
+
+
 def test_a_full_store_empties_itself_and_goes_on(tmp_path: Path) -> None:
     store, why = NodePieceStore.open(tmp_path, "tiny", 2**20)
     assert store is not None, why
