@@ -352,14 +352,14 @@ class PrefixTokenizer:
             return None, "disabled (cache size 0)"
         if getattr(hf_tokenizer, "split_special_tokens", False) or backend.encode_special_tokens:
             return None, "the tokenizer splits special tokens"
-        spec = json.loads(backend.to_str())
+        backend_json = backend.to_str()
+        spec = json.loads(backend_json)
         reason = cache_verdict(spec)
         if reason is not None:
             return None, reason
         cuts = cut_tokens(spec, templates)
         if not cuts:
             return None, "the chat templates write no added token to cut after"
-        backend_json = backend.to_str()
         own = Tokenizer.from_str(backend_json)
         own.no_truncation()
         own.no_padding()

@@ -89,7 +89,7 @@ def test_agent_turns_equal_vllm_cold_and_warm(loop, services: dict[str, RenderSe
 def test_turns_alternating_between_replicas_equal_vllm_and_share_the_machine_store(loop, services: dict[str, RenderService]) -> None:
     # A front door that spreads turns: each process tokenizes only what neither has seen.
     caches = [services[name].prompt_cache for name in ("cached", "other_replica")]
-    before = [(c.cache.stats.node_hits,) for c in caches]
+    before = [c.cache.stats.node_hits for c in caches]
     turn = 0
     for k in range(10, 13):
         messages = _conversation(k, 6)
@@ -98,7 +98,7 @@ def test_turns_alternating_between_replicas_equal_vllm_and_share_the_machine_sto
                 body = {"model": "qwen3-tiny", "messages": messages[:end], "tools": TOOLS, "tool_choice": "auto", "max_tokens": 32}
                 _both(loop, services, "chat", body, f"spread-{k}-{end}", ("cached", "other_replica")[turn % 2])
                 turn += 1
-    node_hits = [c.cache.stats.node_hits - b[0] for c, b in zip(caches, before, strict=True)]
+    node_hits = [c.cache.stats.node_hits - b for c, b in zip(caches, before, strict=True)]
     assert all(n > 0 for n in node_hits), node_hits  # each found pieces the other had tokenized
 
 
