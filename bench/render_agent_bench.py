@@ -32,8 +32,10 @@ Results: ``bench/results/render_agent.md`` / ``.json`` / ``.png`` (req/s and p50
 stage, cache off and on, then in alternating passes vLLM's parser set-up with its special-token lexer
 shared (``serve_app._vllm.SharedDropInfo``) against built per parser, a light request's chat
 template on the event loop against in vLLM's thread pool, and the template sandbox's attribute checks
-memoized against Jinja's own; last, two services' caches with each
-conversation kept to one against its turns spread at random, with and without the machine-wide store
+memoized against Jinja's own, and ``GenerateRequest``'s token-id check in C against vLLM's generator;
+then two services' caches with each conversation kept to one against its turns spread at random, with
+and without the machine-wide store; last, one render process alone against two at once (each its own
+conversations), what this machine's two cores give two busy processes
 (``bench/results/render_agent_profile.{md,json}``).
 """
 
@@ -425,7 +427,9 @@ async def _profile(n_conversations: int) -> dict[str, Any]:
     out["parser set-up"] = await _parser_setup_ab(service, bodies)
     out["template hop"] = await _template_hop_ab(service, bodies)
     out["template sandbox"] = await _template_sandbox_ab(service, bodies)
+    out["token-id check"] = await _token_id_check_ab(service, bodies)
     out["affinity"] = await _affinity_ab(n_conversations)
+    out["two processes"] = _two_processes_ab()
     return out
 
 
@@ -547,6 +551,91 @@ async def _parser_setup_ab(service: Any, bodies: list[bytes]) -> dict[str, float
     return best
 
 
+async def _token_id_check_ab(service: Any, bodies: list[bytes]) -> dict[str, float]:
+    """``GenerateRequest``'s ``token_ids`` check in C (``serve_app._vllm.fast_token_id_check``, as the app
+    runs) and vLLM's own generator over every id (:func:`_best_of_passes`)."""
+    import dataclasses
+
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+
+    validators = GenerateRequest.__pydantic_decorators__.field_validators
+    ours = validators["validate_token_ids"]
+    vllms = dataclasses.replace(ours, func=GenerateRequest.validate_token_ids)  # the class keeps vLLM's method
+
+    def use(decorator: Any) -> Callable[[], None]:
+        def put() -> None:
+            validators["validate_token_ids"] = decorator
+            GenerateRequest.model_rebuild(force=True)
+        return put
+
+    try:
+        best = await _best_of_passes(service, bodies, {"in C": use(ours), "vllm": use(vllms)})
+    finally:
+        use(ours)()
+    progress(f"token-id check: {best['in C']:.2f} ms CPU per render in C, {best['vllm']:.2f} vLLM's")
+    return best
+
+
+def _render_for(seed: int, seconds: float, ready: Any, go: Any, results: Any) -> None:
+    """One render process of :func:`_two_processes_ab`: its own ``RenderService`` and conversations from
+    ``seed``, rendered turn by turn for ``seconds`` once ``go`` is set."""
+    os.environ.update(LONG_LEN_ENV)
+
+    async def run() -> dict[str, float]:
+        from serve_app.config import AppArgs
+        from serve_app.render import RenderService
+
+        app_args = AppArgs(**our_app_args(None))
+        service = await RenderService.create(app_args, app_args.resolve())
+        bodies = [json.dumps(r).encode() for s in range(400) for r in conversation(seed + s)]
+        for body in bodies[:5]:
+            await service.chat(body, "warm-up")
+        ready.set()
+        go.wait()
+        n, cpu0, t0 = 0, time.process_time(), time.perf_counter()
+        for body in bodies[5:]:
+            await service.chat(body, "profile")
+            n += 1
+            if time.perf_counter() - t0 >= seconds:
+                break
+        wall = time.perf_counter() - t0
+        return {"cpu_ms": (time.process_time() - cpu0) / n * 1e3, "renders_per_s": n / wall, "renders": n}
+
+    results.put(asyncio.run(run()))
+
+
+def _two_processes_ab(rounds: int = 2, seconds: float = 12.0) -> dict[str, dict[str, Any]]:
+    """CPU ms per render and renders/s of one render process alone, and of each of two at once (the
+    Ingress replicas of ``make run`` on this machine's two cores); each a new process, cold (new text
+    each turn, as in the HTTP bench), all rendering the same conversations. Alternating rounds; means."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    runs: dict[str, list[dict[str, float]]] = {"one alone": [], "two at once": []}
+    for _ in range(rounds):
+        for label, count in (("one alone", 1), ("two at once", 2)):
+            ready = [ctx.Event() for _ in range(count)]
+            go, results = ctx.Event(), ctx.Queue()
+            # The same conversations for every process of every run: the same work, cold in each (a new process).
+            procs = [ctx.Process(target=_render_for, args=(40_000, seconds, ready[i], go, results)) for i in range(count)]
+            for proc in procs:
+                proc.start()
+            for event in ready:
+                event.wait(600)
+            go.set()
+            got = [results.get(timeout=600) for _ in procs]
+            for proc in procs:
+                proc.join(60)
+            runs[label] += got
+            progress(f"{label}: " + ", ".join(f"{g['cpu_ms']:.2f} ms CPU per render, {g['renders_per_s']:.0f}/s" for g in got))
+    out: dict[str, dict[str, Any]] = {}
+    for label, got in runs.items():
+        out[label] = {k: sum(g[k] for g in got) / len(got) for k in ("cpu_ms", "renders_per_s")}
+        out[label]["processes"] = 1 if label == "one alone" else 2
+        out[label]["cpu_ms_runs"] = [g["cpu_ms"] for g in got]  # each process of each round: the spread
+    return out
+
+
 def render_profile(data: dict[str, Any]) -> str:
     p = data["profile"]
     labels = list(p["cache off"]["stages_cpu_ms"])
@@ -584,12 +673,28 @@ def render_profile(data: dict[str, Any]) -> str:
                   f"{sandbox['memoized']:.2f} ms of CPU per render with its attribute checks kept per (type, name) "
                   f"(`serve_app._vllm.memoize_template_sandbox`, as the app runs), {sandbox['jinja']:.2f} ms with Jinja's "
                   "own `ImmutableSandboxedEnvironment` checking every read."]
+    check = p.get("token-id check")
+    if check:
+        lines += ["", "`GenerateRequest`'s token-id check (alternating passes as above, best of each): "
+                  f"{check['in C']:.2f} ms of CPU per render with `min()` (`serve_app._vllm.fast_token_id_check`, as "
+                  f"the app runs), {check['vllm']:.2f} ms with vLLM's `any(t < 0 for t in v)`."]
     affinity = p.get("affinity")
     if affinity:
         lines += ["", "Two replicas' caches (two services, cold; other conversations than above, turns interleaved "
                   "across conversations; best of 3 alternating rounds): " + "; ".join(
                       f"{label}: {100 * a['tokenized_share']:.1f}% of the prompt text tokenized, {a['cpu_ms']:.2f} ms of "
                       "CPU per render" for label, a in affinity.items()) + "."]
+    two = p.get("two processes")
+    if two:
+        alone, both = two["one alone"], two["two at once"]
+        lines += ["", "One render process alone and two at once (each a new process with its own `RenderService`, the "
+                  "same conversations, cold; 2 alternating rounds of 12 s, means per process): "
+                  f"alone {alone['cpu_ms']:.2f} ms of CPU per render, "
+                  f"{alone['renders_per_s']:.0f} renders/s; two at once {both['cpu_ms']:.2f} ms each "
+                  f"({100 * (both['cpu_ms'] / alone['cpu_ms'] - 1):+.0f}%), {2 * both['renders_per_s']:.0f} renders/s together "
+                  f"({2 * both['renders_per_s'] / alone['renders_per_s']:.2f}× one). Rounds: " + "; ".join(
+                      f"{g['processes']} at once: " + ", ".join(f"{ms:.2f}" for ms in g["cpu_ms_runs"]) + " ms"
+                      for g in (alone, both)) + "."]
     lines.append("")
     return "\n".join(lines)
 

@@ -33,6 +33,7 @@ __all__ = [
     "engine_config_verdict",
     "engine_metric_families",
     "engine_stat_loggers",
+    "fast_token_id_check",
     "install_prompt_cache",
     "load_chat_template",
     "memoize_template_sandbox",
@@ -134,6 +135,33 @@ def _share_parser_drop_info() -> None:
 
     if not isinstance(engine._build_drop_info, SharedDropInfo):
         engine._build_drop_info = SharedDropInfo(engine._build_drop_info)
+
+
+def _no_negative_ids(token_ids: list[int]) -> list[int]:
+    # vLLM's own check and message; min() runs in C where its generator ran one Python step per id.
+    if token_ids and min(token_ids) < 0:
+        raise ValueError("token_ids must not contain negative values")
+    return token_ids
+
+
+def fast_token_id_check() -> None:
+    """``GenerateRequest``'s ``token_ids`` validator, the same check in C.
+
+    vLLM checks every prompt id of a ``GenerateRequest`` with ``any(t < 0 for t in v)``: one Python
+    step per id, built by render for each chat render and validated again by the engine for each
+    request (~60 us at 4k ids, twice that at 8k). Here the validator is replaced in the model's
+    decorators and its schema rebuilt; ids, message and error type stay vLLM's (pydantic wraps the
+    ``ValueError`` as before). Idempotent."""
+    import dataclasses
+
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+
+    validators = GenerateRequest.__pydantic_decorators__.field_validators
+    current = validators.get("validate_token_ids")
+    if current is None or current.func is _no_negative_ids:
+        return
+    validators["validate_token_ids"] = dataclasses.replace(current, func=_no_negative_ids)
+    GenerateRequest.model_rebuild(force=True)
 
 
 def vllm_cli_args(args: AppArgs, model: ResolvedModel) -> list[str]:
@@ -259,6 +287,7 @@ async def build_render_state(args: AppArgs, model: ResolvedModel, extra_argv: li
     _tokenize_big_prompts_apart(state.online_renderer.renderer)
     _template_small_requests_inline(state.online_renderer.renderer)
     memoize_template_sandbox()
+    fast_token_id_check()
     return RenderState(state)
 
 
@@ -725,6 +754,7 @@ async def build_engine_state(args: AppArgs, model: ResolvedModel) -> EngineState
     """Start an ``AsyncLLM`` and the app state exactly as ``vllm serve --tokens-only`` does
     (``build_async_engine_client_from_engine_args`` + ``init_app_state``), minus the HTTP server."""
     _patch_vllm_version()
+    fast_token_id_check()
     from starlette.datastructures import State
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.usage.usage_lib import UsageContext
