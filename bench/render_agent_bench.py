@@ -34,8 +34,8 @@ shared (``serve_app._vllm.SharedDropInfo``) against built per parser, a light re
 template on the event loop against in vLLM's thread pool, and the template sandbox's attribute checks
 memoized against Jinja's own, and ``GenerateRequest``'s token-id check in C against vLLM's generator;
 then two services' caches with each conversation kept to one against its turns spread at random, with
-and without the machine-wide store; last, one render process alone against two at once (each its own
-conversations), what this machine's two cores give two busy processes
+and without the machine-wide store; last, one render process alone against two at once (each a new
+process, all rendering the same conversations), what this machine's two cores give two busy processes
 (``bench/results/render_agent_profile.{md,json}``).
 """
 
@@ -633,6 +633,7 @@ def _two_processes_ab(rounds: int = 2, seconds: float = 12.0) -> dict[str, dict[
         out[label] = {k: sum(g[k] for g in got) / len(got) for k in ("cpu_ms", "renders_per_s")}
         out[label]["processes"] = 1 if label == "one alone" else 2
         out[label]["cpu_ms_runs"] = [g["cpu_ms"] for g in got]  # each process of each round: the spread
+        out[label].update(rounds=rounds, seconds=seconds)
     return out
 
 
@@ -688,7 +689,7 @@ def render_profile(data: dict[str, Any]) -> str:
     if two:
         alone, both = two["one alone"], two["two at once"]
         lines += ["", "One render process alone and two at once (each a new process with its own `RenderService`, the "
-                  "same conversations, cold; 2 alternating rounds of 12 s, means per process): "
+                  f"same conversations, cold; {alone['rounds']} alternating rounds of {alone['seconds']:g} s, means per process): "
                   f"alone {alone['cpu_ms']:.2f} ms of CPU per render, "
                   f"{alone['renders_per_s']:.0f} renders/s; two at once {both['cpu_ms']:.2f} ms each "
                   f"({100 * (both['cpu_ms'] / alone['cpu_ms'] - 1):+.0f}%), {2 * both['renders_per_s']:.0f} renders/s together "
