@@ -554,24 +554,17 @@ async def _parser_setup_ab(service: Any, bodies: list[bytes]) -> dict[str, float
 async def _token_id_check_ab(service: Any, bodies: list[bytes]) -> dict[str, float]:
     """``GenerateRequest``'s ``token_ids`` check in C (``serve_app._vllm.fast_token_id_check``, as the app
     runs) and vLLM's own generator over every id (:func:`_best_of_passes`)."""
-    import dataclasses
-
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 
-    validators = GenerateRequest.__pydantic_decorators__.field_validators
-    ours = validators["validate_token_ids"]
-    vllms = dataclasses.replace(ours, func=GenerateRequest.validate_token_ids)  # the class keeps vLLM's method
-
-    def use(decorator: Any) -> Callable[[], None]:
-        def put() -> None:
-            validators["validate_token_ids"] = decorator
-            GenerateRequest.model_rebuild(force=True)
-        return put
+    from serve_app._vllm import fast_token_id_check, use_token_id_check
 
     try:
-        best = await _best_of_passes(service, bodies, {"in C": use(ours), "vllm": use(vllms)})
+        best = await _best_of_passes(service, bodies, {
+            "in C": fast_token_id_check,
+            "vllm": lambda: use_token_id_check(GenerateRequest.validate_token_ids),  # the class keeps vLLM's
+        })
     finally:
-        use(ours)()
+        fast_token_id_check()
     progress(f"token-id check: {best['in C']:.2f} ms CPU per render in C, {best['vllm']:.2f} vLLM's")
     return best
 

@@ -40,6 +40,7 @@ __all__ = [
     "parse_engine_args",
     "render_request_models",
     "template_inline",
+    "use_token_id_check",
     "vllm_cli_args",
     "vllm_sanitize_message",
 ]
@@ -149,18 +150,24 @@ def fast_token_id_check() -> None:
 
     vLLM checks every prompt id of a ``GenerateRequest`` with ``any(t < 0 for t in v)``: one Python
     step per id, built by render for each chat render and validated again by the engine for each
-    request (~60 us at 4k ids, twice that at 8k). Here the validator is replaced in the model's
-    decorators and its schema rebuilt; ids, message and error type stay vLLM's (pydantic wraps the
-    ``ValueError`` as before). Idempotent."""
+    request (~60 us at 4k ids, twice that at 8k). Ids, message and error type stay vLLM's (pydantic
+    wraps the ``ValueError`` as before). Idempotent."""
+    use_token_id_check(_no_negative_ids)
+
+
+def use_token_id_check(check: Callable[[list[int]], list[int]]) -> None:
+    """Make ``check`` ``GenerateRequest``'s ``token_ids`` validator: replaced in the model's pydantic
+    decorators and its schema rebuilt. The class attribute keeps vLLM's own
+    (``GenerateRequest.validate_token_ids``), which a benchmark passes here to compare."""
     import dataclasses
 
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 
     validators = GenerateRequest.__pydantic_decorators__.field_validators
     current = validators.get("validate_token_ids")
-    if current is None or current.func is _no_negative_ids:
+    if current is None or current.func is check:
         return
-    validators["validate_token_ids"] = dataclasses.replace(current, func=_no_negative_ids)
+    validators["validate_token_ids"] = dataclasses.replace(current, func=check)
     GenerateRequest.model_rebuild(force=True)
 
 

@@ -1,5 +1,6 @@
 """``serve_app._vllm.fast_token_id_check``: ``GenerateRequest`` accepts and refuses exactly the
-``token_ids`` vLLM's own validator does, with vLLM's message, after the validator is swapped."""
+``token_ids`` vLLM's own validator does, with vLLM's errors, after the validator is swapped (and
+``use_token_id_check`` puts vLLM's back, as the benchmark's A/B does)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 
-from serve_app._vllm import fast_token_id_check
+from serve_app._vllm import fast_token_id_check, use_token_id_check
 
 
 def _cases() -> list[list[int]]:
@@ -41,8 +42,19 @@ def _vllm_verdict(ids: list[int]) -> str:
 
 
 def test_same_verdicts_as_vllms_validator() -> None:
-    fast_token_id_check()
+    use_token_id_check(GenerateRequest.validate_token_ids)
+    try:
+        assert GenerateRequest.__pydantic_decorators__.field_validators["validate_token_ids"].func.__module__ != "serve_app._vllm"
+        vllms = [_verdict(ids) for ids in _cases()]
+    finally:
+        fast_token_id_check()
+    assert [_verdict(ids) for ids in _cases()] == vllms  # the same ids, error types, locs and messages
+    assert sum(v == "refused" for v, _ in vllms) > 50
     assert GenerateRequest.__pydantic_decorators__.field_validators["validate_token_ids"].func.__module__ == "serve_app._vllm"
+
+
+def test_verdicts_match_vllms_validator_called_directly() -> None:
+    fast_token_id_check()
     for ids in _cases():
         verdict, detail = _verdict(ids)
         assert verdict == _vllm_verdict(ids), ids
