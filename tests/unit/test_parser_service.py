@@ -424,10 +424,10 @@ def test_parsers_share_the_special_token_lexer_vllm_would_build_for_each(service
 
     prompt, output = ids
 
-    def parsed() -> str:  # a whole answer and a stream, their random tool-call ids left out
+    def parsed() -> str:  # a whole answer and a stream, their random tool-call ids and clock times left out
         out = _whole(service, prompt, output), _stream(service, prompt, output, step=3)
         assert out[0]["message"]["tool_calls"] and out[0]["message"]["reasoning"]
-        return re.sub(r"chatcmpl-tool-[0-9a-f]+", "<id>", json.dumps(out))
+        return re.sub(r'"created": \d+', '"created": 0', re.sub(r"chatcmpl-tool-[0-9a-f]+", "<id>", json.dumps(out)))
 
     with_shared = parsed()
     monkeypatch.setattr(engine, "_build_drop_info", shared.__wrapped__)
