@@ -266,7 +266,8 @@ def run_interleaved(systems: list[str], opts: argparse.Namespace, setup: dict[st
                 progress(f"vllm-x2 up: {[s.port for s in servers.values()]} behind HAProxy :{port}")
             if ours_base is not None:
                 bases["ours"] = ours_base
-                # Ray's processes and Serve's replicas all descend from this driver; the vLLM side does not.
+                # Everything this driver started descends from it: Ray's processes and Serve's replicas, and the
+                # vLLM side too, whose trees are taken out.
                 pids["ours"] = lambda: process_trees([os.getpid()]) - pids.get("vllm-x2", set)() - {os.getpid()}
             return asyncio.run(interleave(bases, pids, opts))
         finally:

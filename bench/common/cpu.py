@@ -86,30 +86,39 @@ def process_trees(roots: list[int]) -> set[int]:
     return set().union(*(_descendants(root, parents) for root in roots)) if roots else set()
 
 
+def _delta(pid: int, cpu: float, before: dict[int, tuple[str, float]]) -> float:
+    """CPU seconds ``pid`` spent since ``before`` (all of ``cpu`` for a process started since)."""
+    return cpu - before.get(pid, ("", 0.0))[1]
+
+
 def cpu_of(pids: set[int], before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> float:
     """CPU seconds spent by ``pids`` between two :func:`proc_cpu` snapshots."""
-    return sum(max(0.0, cpu - before.get(pid, ("", 0.0))[1]) for pid, (_, cpu) in after.items() if pid in pids)
+    return sum(max(0.0, _delta(pid, cpu, before)) for pid, (_, cpu) in after.items() if pid in pids)
 
 
 def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
     """CPU seconds per role between two :func:`proc_cpu` snapshots."""
     roles: dict[str, float] = {}
     for pid, (role, cpu) in after.items():
-        delta = cpu - before.get(pid, (role, 0.0))[1]
+        delta = _delta(pid, cpu, before)
         if delta > 0:
             roles[role] = roles.get(role, 0.0) + delta
     return roles
+
+
+def _tids(pid: int) -> list[int]:
+    """The thread ids of ``pid`` now; none for a process that ended."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
 
 
 def pin_threads(pid: int, cpus: set[int]) -> int:
     """Every thread of ``pid`` onto ``cpus`` (``sched_setaffinity`` moves one thread); returns how many
     threads moved. A process or thread that ended meanwhile is skipped."""
     moved = 0
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return 0
-    for tid in tids:
+    for tid in _tids(pid):
         try:
             os.sched_setaffinity(tid, cpus)
             moved += 1
@@ -125,11 +134,7 @@ def background(pids: set[int], on: bool) -> int:
     policy = os.SCHED_IDLE if on else os.SCHED_OTHER
     changed = 0
     for pid in pids:
-        try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
-            continue
-        for tid in tids:
+        for tid in _tids(pid):
             try:
                 os.sched_setscheduler(tid, policy, os.sched_param(0))
                 changed += 1

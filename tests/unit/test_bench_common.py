@@ -149,6 +149,40 @@ def test_pin_threads_moves_every_thread_of_a_process():
     assert pin_threads(child.pid, {cpus[0]}) == 0  # a process that is gone moves nothing
 
 
+def test_background_moves_every_thread_to_sched_idle_and_back():
+    """The side-by-side benches idle the side not measured (``render_agent_bench``): every thread of
+    every process given, and back to the normal policy after; a process that is gone changes nothing."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from bench.common.cpu import background
+
+    def policies(pid: int) -> list[int]:
+        return [os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")]
+
+    children = [subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                                  "for _ in range(2): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+                                  "time.sleep(60)"]) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 30
+        while any(len(os.listdir(f"/proc/{c.pid}/task")) < 3 for c in children):
+            assert time.monotonic() < deadline, "the children's threads never started"
+            time.sleep(0.05)
+        pids = {c.pid for c in children}
+        assert background(pids, True) == 6
+        assert [policies(c.pid) for c in children] == [[os.SCHED_IDLE] * 3] * 2
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller is not one of them
+        assert background(pids, False) == 6
+        assert [policies(c.pid) for c in children] == [[os.SCHED_OTHER] * 3] * 2
+    finally:
+        for c in children:
+            c.kill()
+            c.wait()
+    assert background({c.pid for c in children}, True) == 0
+
+
 def test_a_bench_stopped_by_sigterm_stops_the_servers_it_started(tmp_path):
     """``spawn_group``'s servers run in their own process group, out of reach of a signal to the bench;
     a SIGTERM to the bench (``timeout``, a CI runner) must still run the ``finally`` that stops them."""
