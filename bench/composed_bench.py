@@ -115,6 +115,9 @@ ENGINE_TOTALS = ("vllm:iteration_tokens_total_sum", "vllm:iteration_tokens_total
                  *(f"{h}_{part}" for h in ("serve_app_time_to_first_token_seconds", "vllm:time_to_first_token_seconds",
                                            "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds")
                    for part in ("sum", "count")))
+# Ours' Ingress, each stage before the first chunk (``serve_app_composed_stage_seconds``, by stage): render, and
+# the engine from the request sent to its first chunk back (vLLM's TTFT inside it; the rest is Serve's hop).
+STAGES = "serve_app_composed_stage_seconds"
 
 
 def server_metrics(base: str, names: tuple[str, ...]) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
@@ -129,8 +132,10 @@ def server_metrics(base: str, names: tuple[str, ...]) -> tuple[dict[str, dict[st
         families = list(text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=30).text))
     except httpx.HTTPError:
         return {n: {} for n in names}, {}
-    return ({n: summed_by(families, f"{n}_bucket", "le") for n in names},
-            {n: summed_by(families, n).get("", 0.0) for n in ENGINE_TOTALS})
+    totals = {n: summed_by(families, n).get("", 0.0) for n in ENGINE_TOTALS}
+    for part in ("sum", "count"):
+        totals |= {f"{STAGES}_{part}:{stage}": v for stage, v in summed_by(families, f"{STAGES}_{part}", "stage").items()}
+    return {n: summed_by(families, f"{n}_bucket", "le") for n in names}, totals
 
 
 def bucket_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, int]]:
@@ -468,20 +473,39 @@ def render_report(data: dict[str, Any]) -> str:
     if timed := _with_total(data["cases"], "vllm:time_to_first_token_seconds_count"):
         lines += ["", "## Where the time to first token goes (means over the case, ms)", "",
                   "The client's (`vllm bench serve`), ours' Ingress (arrival to first chunk with tokens), and the engine's "
-                  "own (vLLM's histograms: from the request's arrival in the engine's front end to its first token; of "
-                  "that, queued in the scheduler and in prefill).", "",
-                  "| system | c | client | Ingress | engine | engine: queued | engine: prefill |", "|---|---|---|---|---|---|---|"]
+                  "own (vLLM's histograms: from the request's arrival in the engine's front end to its first token; of that,"
+                  " queued in the scheduler and in prefill). *Tier*: the client's less the engine's, what the serving tier "
+                  "adds on either side (for coupled vLLM its API server and HTTP). Ours' Ingress in stages "
+                  "(`serve_app_composed_stage_seconds`): *render*, and *to the engine and back*: the engine's first chunk "
+                  "from the request sent to its arrival less the engine's own TTFT (Serve's hop both ways, vLLM's input "
+                  "processing); *front door*: the client's less the Ingress's (HAProxy, HTTP both ways, the client); *rest*:"
+                  " the Ingress's less render and the engine's first chunk (the body read, the first chunk's derender and "
+                  "SSE frame).", "",
+                  "| system | c | client | Ingress | engine | engine: queued | engine: prefill | tier | front door | render "
+                  "| to the engine and back | rest |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
         def mean_ms(t: dict[str, float], name: str) -> float | None:
-            n = t.get(f"{name}_count")
-            return t[f"{name}_sum"] / n * 1e3 if n else None
+            """``name``'s mean from its ``_sum`` and ``_count`` (``name`` may place them: ``..._{}:stage``)."""
+            at = name if "{}" in name else name + "_{}"
+            n = t.get(at.format("count"))
+            return t[at.format("sum")] / n * 1e3 if n else None
+
+        def less(a: float | None, *b: float | None) -> float | None:
+            return None if a is None or None in b else a - sum(b)  # type: ignore[arg-type]
 
         for r in timed:
             t = r["engine_totals"]
-            lines.append(f"| {r['system']} | {r['concurrency']} | {fmt(r.get('mean_ttft_ms'))} | "
-                         f"{fmt(mean_ms(t, 'serve_app_time_to_first_token_seconds')) if r['system'] == 'ours' else '–'} | "
+            client = r.get("mean_ttft_ms")
+            ingress = mean_ms(t, "serve_app_time_to_first_token_seconds") if r["system"] == "ours" else None
+            engine = mean_ms(t, "vllm:time_to_first_token_seconds")
+            render, first = (mean_ms(t, f"{STAGES}_{{}}:{stage}") for stage in ("render", "engine_first_chunk"))
+            lines.append(f"| {r['system']} | {r['concurrency']} | {fmt(client)} | {fmt(ingress)} | "
                          + " | ".join(fmt(mean_ms(t, h)) for h in ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
-                                                                    "vllm:request_prefill_time_seconds")) + " |")
+                                                                    "vllm:request_prefill_time_seconds")) + " | "
+                         + " | ".join(fmt(v) for v in (less(client, engine), less(client, ingress), render, less(first, engine),
+                                                       less(ingress, render, first)))
+                         + " |")
     profiles = [(r, name, p) for r in data["cases"] for name, p in (r.get("profile") or {}).items()]
     if profiles:
         lines += ["", "## py-spy (ours, highest concurrency): inclusive share of the samples that were working", "",

@@ -18,6 +18,7 @@ derender ``feed`` (tens of microseconds without parsers), one JSON dump for the 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -45,6 +46,9 @@ __all__ = [
 logger = get_logger(__name__)
 
 T = TypeVar("T")
+Observe = Callable[[str, str, float], None]
+"""``observe(endpoint, stage, seconds)``: where a composed request's time before its response goes
+(:meth:`serve_app.metrics.HttpMetrics.composed_stage`); ``endpoint`` is ``chat`` or ``completion``."""
 RETRY_LOG = "sent again to another Engine replica"  # logged on each retry (tests/integration/test_engine_failover.py reads it)
 
 ENGINE_ATTEMPTS = 3
@@ -119,6 +123,7 @@ def build_composed(
     chat: ChatDerender,
     completion: CompletionDerender,
     engine_down: Callable[[], bool] | None = None,
+    observe: Observe | None = None,
 ) -> ComposedService:
     """The composition for one Ingress replica: render and the engine by handle (or a colocated
     render's :class:`serve_app.stages.InProcess`), derender by the in-process services ``chat`` and
@@ -134,7 +139,9 @@ def build_composed(
         engine_down=engine_down,
     )
     limits = args.limits
-    return ComposedService(stages, chat, completion, model.eos_token_id, limits.stage_timeout_s, limits.engine_first_chunk_timeout_s)
+    return ComposedService(
+        stages, chat, completion, model.eos_token_id, limits.stage_timeout_s, limits.engine_first_chunk_timeout_s, observe
+    )
 
 
 class ComposedService:
@@ -148,6 +155,9 @@ class ComposedService:
             does (:func:`serve_app.derender.stop.engine_stop_reason`).
         render_timeout_s: most seconds render may take (504 after; ``None``: no deadline).
         first_chunk_timeout_s: most seconds a streamed generation may take to its first chunk.
+        observe: told each request's time in ``render``, then ``engine_first_chunk`` (a stream: from
+            sending it to the engine to the first chunk back, vLLM's own time to first token included)
+            or ``engine`` (a whole generation).
     """
 
     def __init__(
@@ -158,6 +168,7 @@ class ComposedService:
         eos_token_id: int | None,
         render_timeout_s: float | None = None,
         first_chunk_timeout_s: float | None = None,
+        observe: Observe | None = None,
     ) -> None:
         self.stages = stages
         self.chat_derender = chat_derender
@@ -165,6 +176,11 @@ class ComposedService:
         self.eos_token_id = eos_token_id
         self.render_timeout_s = render_timeout_s
         self.first_chunk_timeout_s = first_chunk_timeout_s
+        self.observe = observe
+
+    def _took(self, endpoint: str, stage: str, since: float) -> None:
+        if self.observe is not None:
+            self.observe(endpoint, stage, time.perf_counter() - since)
 
     def _fix_stop_reason(self, choices: list[dict[str, Any]], gen_request: dict[str, Any]) -> None:
         stop_ids = (gen_request.get("sampling_params") or {}).get("stop_token_ids")
@@ -210,12 +226,17 @@ class ComposedService:
             ApiError: render or engine rejected the request (before any chunk).
         """
         stream = stream_flag(body)
+        start = time.perf_counter()
         rendered = await within(self.stages.render_chat(body, request_id), self.render_timeout_s, "Render", self.stages.render_routable)
+        self._took("chat", "render", start)
         self._engine_reachable()
         gen = _no_detokenize(load_answer(rendered))
         prompt_ids = gen["token_ids"]
+        start = time.perf_counter()
         if not stream:
-            response = load_answer(await self._generate(gen))
+            generated = await self._generate(gen)
+            self._took("chat", "engine", start)
+            response = load_answer(generated)
             response["request_id"] = gen["request_id"]
             self._fix_stop_reason(response["choices"], gen)
             whole = {
@@ -227,6 +248,7 @@ class ComposedService:
             # A big response decodes (and, with parsers, parses) off this event loop.
             return await self.chat_derender.chat_async(whole)
         chunks = await self._first_chunk(lambda: self.stages.generate_stream(gen), gen["request_id"])
+        self._took("chat", "engine_first_chunk", start)
         return self._chat_chunks(body, gen, chunks)
 
     async def _chat_chunks(
@@ -253,12 +275,16 @@ class ComposedService:
     async def completion(self, body: dict[str, Any], request_id: str | None = None) -> bytes | AsyncGenerator[dict[str, Any], None]:
         """``/v1/completions``: every prompt rendered, generated concurrently, derendered together."""
         stream = stream_flag(body)
+        start = time.perf_counter()
         rendering = self.stages.render_completion(body, request_id)
         rendered = await within(rendering, self.render_timeout_s, "Render", self.stages.render_routable)
+        self._took("completion", "render", start)
         self._engine_reachable()
         gens = [_no_detokenize(g) for g in load_answer(rendered)]
+        start = time.perf_counter()
         if not stream:
             responses = await _gather_or_cancel([self._generate(g) for g in gens])
+            self._took("completion", "engine", start)
             parsed = []
             for gen, raw in zip(gens, responses, strict=True):
                 response = load_answer(raw)
@@ -277,6 +303,7 @@ class ComposedService:
         if len(gens) > 1:  # one usage chunk for all prompts, summed here (each engine would send its own)
             gens = [{**g, "stream_options": None} for g in gens]
         merged = await self._first_chunk(lambda: merge([self.stages.generate_stream(g) for g in gens]), _base_id(gens, gens[0]))
+        self._took("completion", "engine_first_chunk", start)
         return self._completion_chunks(body, gens, merged, usage_wanted and len(gens) > 1)
 
     async def _completion_chunks(

@@ -204,7 +204,7 @@ class Ingress:
         self.model = model
         # Where each stage runs (in this process when colocated, else by handle): serve_app/stages.py.
         self.health = StageHealth(serve.get_replica_context().app_name)
-        self.stages = await build_stages(args, model, render, plain_derender, parser_derender, engine, self.health)
+        self.stages = await build_stages(args, model, render, plain_derender, parser_derender, engine, self.health, metrics.composed_stage)
         # make run's HAProxy hashes every chunk's stream id (front_door.HAPROXY_BALANCE): chunks without
         # x-session-id then reach this replica again too, so they are parsed here, not sent to ParserDerender.
         self.front_door_hashes = hashes_stream_id()

@@ -19,9 +19,11 @@ exported under vLLM's own names and labels, as ``vllm serve`` serves them (``vll
 also hands the same series to Ray's metrics agent (``ray_vllm_*``, tag ``ReplicaId``), as Ray Serve
 LLM does (``serve_app/_vllm.py:engine_stat_loggers``).
 
-Streams: the composed routes time their chunks (:meth:`HttpMetrics.timed`: time to first token and
-between tokens, as the client sees them), and a response that fails after its first byte (an in-band
-error frame, an exception, the client going away) is counted by cause in
+Composed requests: the routes time their chunks (:meth:`HttpMetrics.timed`: time to first token and
+between tokens, as the client sees them) and the stages before the response starts
+(:meth:`HttpMetrics.composed_stage`: render, then the engine up to its first chunk), so the tier's
+own share of a time to first token is the route's less vLLM's. A response that fails after its first
+byte (an in-band error frame, an exception, the client going away) is counted by cause in
 ``serve_app_stream_errors_total`` and recorded with the error's status, not the 200 it started with.
 The dashboard and alert queries are in ``deploy/grafana/serve_app.json`` and
 ``deploy/prometheus/alerts.yml``.
@@ -71,6 +73,7 @@ _CAUSE_BY_STATUS = {503: "engine_died", 504: "timeout"}  # after the first byte 
 _CLIENT_CLOSED = 499  # nginx's "client closed request": recorded as the status of a request the client left
 _START = "serve_app.start"  # ASGI scope key: when the middleware saw the request (for time to first token)
 _SSE_ERROR = b'data: {"error"'  # an in-band error frame: vLLM's (`json.dumps`) and the composed path's
+_COMPOSED_ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}  # composed_stage's route label
 
 
 class HttpMetrics:
@@ -101,6 +104,15 @@ class HttpMetrics:
             "Composed streams: time between consecutive chunks with tokens of one response, by route.",
             ("route",),
             buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.stages = Histogram(
+            "serve_app_composed_stage_seconds",
+            "Composed requests: time in each stage before the response starts, by route and stage: render "
+            "(the request to the engine's token ids), engine_first_chunk (a stream: sent to the Engine until "
+            "its first chunk is back, vllm:time_to_first_token_seconds included), engine (a whole generation).",
+            ("route", "stage"),
+            buckets=_TTFT_BUCKETS,
             registry=self.registry,
         )
         self.stream_errors = Counter(
@@ -194,6 +206,11 @@ class HttpMetrics:
             self._stream_routes.add(route)
             for cause in STREAM_ERROR_CAUSES:
                 self.stream_errors.labels(route, cause)
+
+    def composed_stage(self, endpoint: str, stage: str, seconds: float) -> None:
+        """One composed request's time in one stage (:class:`serve_app.compose.ComposedService`'s
+        ``observe``); the composed API by handle counts under the route it shares with HTTP."""
+        self.stages.labels(_COMPOSED_ROUTES[endpoint], stage).observe(seconds)
 
     async def timed(self, chunks: AsyncGenerator[dict[str, Any], None], scope: Mapping[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         """A composed stream's chunk dicts, passed through, timed for the route's time to first token

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
-from serve_app.compose import ComposedService, build_composed
+from serve_app.compose import ComposedService, Observe, build_composed
 from serve_app.errors import ServiceUnavailableError
 from serve_app.health import StageHealth, replica_gone, routable, routable_replicas
 from serve_app.timeouts import within
@@ -160,11 +160,13 @@ async def build_stages(
     parser_derender: Any | None,
     engine: Any | None,
     health: StageHealth | None = None,
+    observe: Observe | None = None,
 ) -> IngressStages:
     """The stages of one Ingress replica from its deployment handles: each colocated one built in
     this process (vLLM's render state, ~0.6 GiB, shared with the parsers), and the composed path,
     whose derender always runs here (one Serve hop per token). ``health``: the replica's view of the
-    deployments, for the composed path's fast 503 when no engine replica can be reached."""
+    deployments, for the composed path's fast 503 when no engine replica can be reached; ``observe``:
+    where the composed path reports its stage times (the Ingress's metrics)."""
     colocated = set(args.colocate_in_ingress)
     # The handles this replica calls; a colocated stage's handle is left as it is, unused here.
     if "render" not in colocated:
@@ -194,7 +196,7 @@ async def build_stages(
     if engine is not None:
         assert plain is not None
         engine_down = None if health is None else lambda: unreachable(health, engine)
-        composed = build_composed(args, model, render, engine, parsers or plain, plain, engine_down)
+        composed = build_composed(args, model, render, engine, parsers or plain, plain, engine_down, observe)
     return IngressStages(
         render=render,
         plain_derender=plain_derender,

@@ -168,6 +168,9 @@ def test_composed_streams_are_timed_and_a_stream_the_client_left_is_no_200(scrap
     for route in COMPOSED:
         assert _value(scrape, "serve_app_time_to_first_token_seconds_count", route=route) >= 1, route
         assert _value(scrape, "serve_app_inter_token_latency_seconds_count", route=route) >= 1, route
+        for stage in ("render", "engine_first_chunk"):  # the composed stages before the first chunk
+            assert _value(scrape, "serve_app_composed_stage_seconds_count", route=route, stage=stage) >= 1, (route, stage)
+    assert _value(scrape, "serve_app_composed_stage_seconds_count", route="/v1/chat/completions", stage="engine") >= 1
     # The stream the client left: a 499 and a client_disconnect; every other cause is exported, and
     # none was added by this module's traffic.
     route = "/v1/chat/completions"

@@ -226,3 +226,36 @@ def test_composed_chat_awaits_the_chat_derenders_async_twin(plain):
     service.chat_derender = derender = Derender()  # type: ignore[assignment]
     out = asyncio.run(service.chat({"messages": [{"role": "user", "content": "x"}]}))
     assert json.loads(out)["choices"][0]["message"]["content"] == "Hello! world" and derender.calls == 1
+
+
+def test_each_composed_request_reports_its_stages_before_the_response(plain):
+    """``observe`` (the Ingress's serve_app_composed_stage_seconds) hears each request's render, then
+    its engine time: to the first chunk for a stream, the whole generation otherwise; a request the
+    engine refused before any chunk has its render only."""
+    heard: list[tuple[str, str]] = []
+
+    def service(engine: FakeEngine, prompts: list[list[int]]) -> ComposedService:
+        svc = _service(plain, engine, prompts)
+        svc.observe = lambda endpoint, stage, seconds: heard.append((endpoint, stage)) if seconds >= 0 else None
+        return svc
+
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    streamed = FakeEngine({1: [_chunk(HELLO, "length")]})
+    asyncio.run(_stream(service(streamed, [[1]]).chat({**chat, "stream": True})))
+    assert heard == [("chat", "render"), ("chat", "engine_first_chunk")]
+
+    heard.clear()
+    whole = FakeEngine({1: {"request_id": "e", "choices": [{"index": 0, "token_ids": HELLO, "finish_reason": "length"}]}})
+    asyncio.run(service(whole, [[1]]).chat(chat))
+    assert heard == [("chat", "render"), ("chat", "engine")]
+
+    heard.clear()
+    two = FakeEngine({1: [_chunk(HELLO, "length")], 2: [_chunk(HELLO, "length")]})
+    asyncio.run(_stream(service(two, [[1], [2]]).completion({"prompt": ["a", "b"], "stream": True})))
+    assert heard == [("completion", "render"), ("completion", "engine_first_chunk")]  # once for the request
+
+    heard.clear()
+    refused = FakeEngine({1: [BadRequestError("too long")]})
+    with pytest.raises(BadRequestError):
+        asyncio.run(service(refused, [[1]]).chat({**chat, "stream": True}))
+    assert heard == [("chat", "render")]

@@ -157,6 +157,18 @@ def test_composed_stream_chunks_are_timed_first_token_then_between_tokens():
     assert _value(metrics, "serve_app_inter_token_latency_seconds_count", route=route) == 2  # the usage chunk carries no token
 
 
+def test_composed_stages_are_recorded_under_their_route_and_stage():
+    metrics = HttpMetrics()
+    metrics.composed_stage("chat", "render", 0.003)
+    metrics.composed_stage("chat", "engine_first_chunk", 0.03)
+    metrics.composed_stage("completion", "render", 0.002)
+    name = "serve_app_composed_stage_seconds"
+    assert _value(metrics, name + "_count", route="/v1/chat/completions", stage="render") == 1
+    assert _value(metrics, name + "_sum", route="/v1/chat/completions", stage="engine_first_chunk") == pytest.approx(0.03)
+    assert _value(metrics, name + "_count", route="/v1/completions", stage="render") == 1
+    assert _value(metrics, name + "_count", route="/v1/completions", stage="engine_first_chunk") == 0
+
+
 def _sse_app(frames: list[bytes], fail_after: int | None = None, route: str = "/v1/chat/completions") -> Any:
     """A FastAPI app whose one route streams ``frames`` (raising after ``fail_after`` of them), behind the middleware."""
     from fastapi import FastAPI
