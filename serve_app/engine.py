@@ -18,7 +18,6 @@ parallel; the composed path moves a request whose replica died to another one (s
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import aclosing
@@ -127,35 +126,18 @@ class EngineService:
         self, body: bytes | dict, headers: Mapping[str, str] | None = None, announce: bool = False
     ) -> AsyncIterator[dict[str, Any]]:
         """Streaming generate as parsed chunk dicts (``GenerateTokensStreamResponse``); no ``[DONE]``.
-        ``announce``: :data:`serve_app.wire.ENGINE_RECEIVED` first, once vLLM has taken the request.
+        ``announce``: :data:`serve_app.wire.ENGINE_RECEIVED` first, before the request is even checked.
 
         Raises:
             ApiError: before the first chunk (validation, model, admission).
             EngineStreamError: vLLM reported an error mid-stream.
         """
+        if announce:
+            yield dict(ENGINE_RECEIVED)
         async with aclosing(self.generate_sse(body, headers)) as frames:
-            head: list[str] = []
-            if announce:
-                taking = asyncio.ensure_future(anext(frames, None))
-                try:
-                    # One turn of the loop: vLLM checks the request and hands it to its EngineCore (all before
-                    # its first wait), then the caller hears of it, so the two do not contend for one core.
-                    await asyncio.sleep(0)
-                    if not taking.done():
-                        yield dict(ENGINE_RECEIVED)
-                    first = await taking  # a request vLLM refused raises here, before any chunk
-                finally:
-                    if not taking.done():  # the caller left: the pending step is cancelled, then the stream closed
-                        taking.cancel()
-                        await asyncio.gather(taking, return_exceptions=True)
-                if first is None:
-                    return
-                head.append(first)
-            for frame in head:
-                if (chunk := parse_sse_frame(frame)) is not None:
-                    yield chunk
             async for frame in frames:
-                if (chunk := parse_sse_frame(frame)) is not None:
+                chunk = parse_sse_frame(frame)
+                if chunk is not None:
                     yield chunk
 
     async def abort(self, request_ids: list[str]) -> None:

@@ -34,9 +34,9 @@ __all__ = [
 ]
 
 ENGINE_RECEIVED: dict[str, Any] = {"serve_app": "engine_received"}
-"""What the Engine's ``generate_stream(..., announce=True)`` sends before its first chunk: vLLM has
-taken the request and is prefilling it (the composed path opens its derender meanwhile, as ``vllm
-serve`` builds its parsers while its engine prefills)."""
+"""What the Engine's ``generate_stream(..., announce=True)`` sends before its first chunk: the request
+reached an Engine replica, which now validates and prefills it (the composed path opens its derender
+meanwhile, as ``vllm serve`` builds its parsers while its engine prefills)."""
 
 
 def engine_received(item: Any) -> bool:

@@ -40,7 +40,7 @@ class FakeEngine:
         key = gen["token_ids"][0]
         self.announced.append(announce)
         try:
-            if announce:  # as the Engine, once vLLM has the request
+            if announce:  # as the Engine: before it has even checked the request
                 yield dict(ENGINE_RECEIVED)
             for item in self.outputs[key]:
                 await asyncio.sleep(0)
