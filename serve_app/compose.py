@@ -11,10 +11,6 @@ The Ingress serves it over HTTP and, for :class:`serve_app.client.ServeAppClient
 :func:`build_composed` wires deployment handles (or colocated services) into them;
 :mod:`serve_app.stages` decides which is which.
 
-A chat stream asks the Engine to announce that it has the request (``ENGINE_RECEIVED``) and builds
-its derender (vLLM's parsers, when configured) then, while the engine prefills, as ``vllm serve``
-builds its parsers while its engine prefills, rather than after the first chunk.
-
 Cost per engine chunk on this path: one ``generate_stream`` chunk (a small dict) through Ray, one
 derender ``feed`` (tens of microseconds without parsers), one JSON dump for the SSE frame.
 """
@@ -22,7 +18,6 @@ derender ``feed`` (tens of microseconds without parsers), one JSON dump for the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
@@ -34,7 +29,7 @@ from serve_app.health import replica_gone, routable
 from serve_app.logs import get_logger
 from serve_app.streaming import cancel_on_close, peek
 from serve_app.timeouts import within
-from serve_app.wire import engine_received, load_answer, stream_flag
+from serve_app.wire import load_answer, stream_flag
 
 if TYPE_CHECKING:
     from serve_app.config import AppArgs, ResolvedModel
@@ -105,15 +100,14 @@ class Stages:
 
     ``render_chat(body, request_id) -> bytes``: the ``GenerateRequest`` JSON; ``render_completion``:
     a JSON list of them. ``generate(request) -> bytes``: the ``GenerateTokensResponse`` JSON.
-    ``generate_stream(request, announce)``: an async iterator of ``GenerateTokensStreamResponse`` dicts
-    whose ``aclose()`` cancels the engine request; with ``announce``, led by
-    :data:`serve_app.wire.ENGINE_RECEIVED` once an Engine replica has the request.
+    ``generate_stream(request)``: an async iterator of ``GenerateTokensStreamResponse`` dicts whose
+    ``aclose()`` cancels the engine request.
     """
 
     render_chat: Callable[[dict[str, Any], str | None], Awaitable[bytes]]
     render_completion: Callable[[dict[str, Any], str | None], Awaitable[bytes]]
     generate: Callable[[dict[str, Any]], Awaitable[bytes]]
-    generate_stream: Callable[[dict[str, Any], bool], AsyncGenerator[dict[str, Any], None]]
+    generate_stream: Callable[[dict[str, Any]], AsyncGenerator[dict[str, Any], None]]
     # Whether render / the engine still has a replica a waiting call can reach (None: always).
     render_routable: Callable[[], bool] | None = None
     engine_routable: Callable[[], bool] | None = None
@@ -139,7 +133,7 @@ def build_composed(
         render_chat=lambda body, rid: render.chat.remote(body, rid),
         render_completion=lambda body, rid: render.completion.remote(body, rid),
         generate=lambda body: engine.generate.remote(body),
-        generate_stream=lambda body, announce: cancel_on_close(generate_stream.remote(body, None, announce)),
+        generate_stream=lambda body: cancel_on_close(generate_stream.remote(body)),
         render_routable=routable(render),
         engine_routable=routable(engine),
         engine_down=engine_down,
@@ -210,16 +204,12 @@ class ComposedService:
                 _retry_or_raise(exc, attempt, gen["request_id"])
         raise AssertionError("unreachable")
 
-    async def _first_chunk(
-        self, open_stream: Callable[[], AsyncGenerator[T, None]], request_id: str, skip: Callable[[T], bool] | None = None
-    ) -> AsyncGenerator[T, None]:
+    async def _first_chunk(self, open_stream: Callable[[], AsyncGenerator[T, None]], request_id: str) -> AsyncGenerator[T, None]:
         """A stream from ``open_stream()``, its first chunk awaited (an error before it is still a
-        status code); opened again, on another replica, when its replica died before that chunk.
-        ``skip``: :func:`serve_app.streaming.peek`'s, for the engine's leading marker."""
+        status code); opened again, on another replica, when its replica died before that chunk."""
         for attempt in range(1, ENGINE_ATTEMPTS + 1):
             try:
-                first = peek(open_stream(), skip)
-                _, chunks = await within(first, self.first_chunk_timeout_s, "Engine", self.stages.engine_routable)
+                _, chunks = await within(peek(open_stream()), self.first_chunk_timeout_s, "Engine", self.stages.engine_routable)
                 return chunks
             except Exception as exc:
                 _retry_or_raise(exc, attempt, request_id)
@@ -257,27 +247,15 @@ class ComposedService:
             }
             # A big response decodes (and, with parsers, parses) off this event loop.
             return await self.chat_derender.chat_async(whole)
-        streams: dict[int, DerenderStream] = {}
-
-        def received(item: dict[str, Any]) -> bool:
-            """The engine has the request: choice 0's derender (its parsers) is built while it prefills,
-            not after its first chunk. A request this fails for fails the same way at that chunk."""
-            if not engine_received(item):
-                return False
-            if 0 not in streams:
-                with contextlib.suppress(Exception):
-                    streams[0] = self.chat_derender.open_chat_stream(body, prompt_ids, len(prompt_ids))
-            return True
-
-        chunks = await self._first_chunk(lambda: self.stages.generate_stream(gen, True), gen["request_id"], received)
+        chunks = await self._first_chunk(lambda: self.stages.generate_stream(gen), gen["request_id"])
         self._took("chat", "engine_first_chunk", start)
-        return self._chat_chunks(body, gen, chunks, streams)
+        return self._chat_chunks(body, gen, chunks)
 
     async def _chat_chunks(
-        self, body: dict[str, Any], gen: dict[str, Any], chunks: AsyncGenerator[dict[str, Any], None],
-        streams: dict[int, DerenderStream],
+        self, body: dict[str, Any], gen: dict[str, Any], chunks: AsyncGenerator[dict[str, Any], None]
     ) -> AsyncGenerator[dict[str, Any], None]:
         prompt_ids, request_id = gen["token_ids"], gen["request_id"]
+        streams: dict[int, DerenderStream] = {}
         try:
             async for chunk in chunks:
                 chunk["request_id"] = request_id
@@ -324,7 +302,7 @@ class ComposedService:
         usage_wanted = bool((gens[0].get("stream_options") or {}).get("include_usage"))  # as vLLM parsed it
         if len(gens) > 1:  # one usage chunk for all prompts, summed here (each engine would send its own)
             gens = [{**g, "stream_options": None} for g in gens]
-        merged = await self._first_chunk(lambda: merge([self.stages.generate_stream(g, False) for g in gens]), _base_id(gens, gens[0]))
+        merged = await self._first_chunk(lambda: merge([self.stages.generate_stream(g) for g in gens]), _base_id(gens, gens[0]))
         self._took("completion", "engine_first_chunk", start)
         return self._completion_chunks(body, gens, merged, usage_wanted and len(gens) > 1)
 

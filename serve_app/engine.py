@@ -31,7 +31,7 @@ from serve_app.errors import BadRequestError, EngineStreamError
 from serve_app.heap import freeze_startup_heap
 from serve_app.placement import placement_options
 from serve_app.streaming import StreamPacer
-from serve_app.wire import ENGINE_RECEIVED, check_engine_ints, dump_json, load_body, validate_model
+from serve_app.wire import check_engine_ints, dump_json, load_body, validate_model
 
 __all__ = ["Engine", "EngineService"]
 
@@ -123,17 +123,14 @@ class EngineService:
                 yield frame
 
     async def generate_stream(
-        self, body: bytes | dict, headers: Mapping[str, str] | None = None, announce: bool = False
+        self, body: bytes | dict, headers: Mapping[str, str] | None = None
     ) -> AsyncIterator[dict[str, Any]]:
         """Streaming generate as parsed chunk dicts (``GenerateTokensStreamResponse``); no ``[DONE]``.
-        ``announce``: :data:`serve_app.wire.ENGINE_RECEIVED` first, before the request is even checked.
 
         Raises:
             ApiError: before the first chunk (validation, model, admission).
             EngineStreamError: vLLM reported an error mid-stream.
         """
-        if announce:
-            yield dict(ENGINE_RECEIVED)
         async with aclosing(self.generate_sse(body, headers)) as frames:
             async for frame in frames:
                 chunk = parse_sse_frame(frame)
@@ -207,9 +204,9 @@ class Engine:
             yield frame
 
     async def generate_stream(
-        self, body: bytes | dict, headers: dict[str, str] | None = None, announce: bool = False
+        self, body: bytes | dict, headers: dict[str, str] | None = None
     ) -> AsyncIterator[dict[str, Any]]:
-        async for chunk in self.service.generate_stream(body, headers, announce):
+        async for chunk in self.service.generate_stream(body, headers):
             yield chunk
 
     async def abort(self, request_ids: list[str]) -> None:

@@ -81,16 +81,11 @@ async def sse_stream(chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncGener
     yield SSE_DONE
 
 
-async def peek(
-    stream: AsyncGenerator[T, None], skip: Callable[[T], bool] | None = None
-) -> tuple[T | None, AsyncGenerator[T, None]]:
+async def peek(stream: AsyncGenerator[T, None]) -> tuple[T | None, AsyncGenerator[T, None]]:
     """``(first item or None when empty, the whole stream again)``; a failing first item closes the
-    stream and raises. ``skip(item)``: true for a leading item that is not the stream's own (a marker,
-    which ``skip`` acts on), dropped."""
+    stream and raises."""
     try:
         first = await stream.__anext__()
-        while skip is not None and skip(first):
-            first = await stream.__anext__()
     except StopAsyncIteration:
         return None, stream
     except BaseException:

@@ -21,8 +21,6 @@ __all__ = [
     "dump_json",
     "dump_json_floatless",
     "dump_json_ids",
-    "ENGINE_RECEIVED",
-    "engine_received",
     "forwarded_headers",
     "load_answer",
     "load_body",
@@ -32,17 +30,6 @@ __all__ = [
     "stream_id",
     "validate_model",
 ]
-
-ENGINE_RECEIVED: dict[str, Any] = {"serve_app": "engine_received"}
-"""What the Engine's ``generate_stream(..., announce=True)`` sends before its first chunk: the request
-reached an Engine replica, which now validates and prefills it (the composed path opens its derender
-meanwhile, as ``vllm serve`` builds its parsers while its engine prefills)."""
-
-
-def engine_received(item: Any) -> bool:
-    """Whether a stream item is :data:`ENGINE_RECEIVED` rather than a chunk."""
-    return isinstance(item, dict) and item.get("serve_app") == "engine_received"
-
 
 MAX_JSON_DEPTH = 128
 """Deepest nesting of arrays and objects a body may have. Deeper values break later, as 500s:

@@ -14,9 +14,6 @@ import time
 import httpx
 import pytest
 
-from serve_app.errors import ApiError
-from serve_app.wire import ENGINE_RECEIVED
-
 PROMPT = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]  # "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -164,27 +161,12 @@ class TestByHandle:
         body = {"token_ids": PROMPT, "sampling_params": {"temperature": 0, "max_tokens": 5}}
         whole = json.loads(engine.generate.remote(body).result(timeout_s=60))
 
-        async def stream(*announce: bool) -> list[dict]:
-            return [c async for c in engine.options(stream=True).generate_stream.remote(body, None, *announce)]
+        async def stream() -> list[dict]:
+            return [c async for c in engine.options(stream=True).generate_stream.remote(body)]
 
         chunks = asyncio.run(stream())
         assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
         assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"] == "length"
-        # Announced (the composed path's): the marker, then the same chunks.
-        first, *rest = asyncio.run(stream(True))
-        assert first == ENGINE_RECEIVED and [c["choices"] for c in rest] == [c["choices"] for c in chunks]
-        # A request the engine rejects is announced too (before it is checked), then fails as before.
-        bad = engine.options(stream=True).generate_stream.remote({"token_ids": [], "sampling_params": {}}, None, True)
-
-        async def until_error() -> list[dict]:
-            got = []
-            with pytest.raises(Exception) as info:
-                async for c in bad:
-                    got.append(c)
-            assert isinstance(getattr(info.value, "cause", info.value), ApiError)
-            return got
-
-        assert asyncio.run(until_error()) == [ENGINE_RECEIVED]
 
     def test_paced_streams_carry_merged_tokens_in_order(self, engine_app_url):
         """The session's engine is paced at 20 messages/s: concurrent streams get every scripted token,

@@ -15,7 +15,6 @@ from serve_app.config import AppArgs
 from serve_app.derender.plain import build_plain_service
 from serve_app.errors import ApiError, BadRequestError
 from serve_app.stages import InProcess
-from serve_app.wire import ENGINE_RECEIVED
 
 HELLO = [9707, 0, 1879]  # "Hello" "!" " world"
 EOS = 151645
@@ -34,14 +33,10 @@ class FakeEngine:
         self.outputs = outputs  # prompt's first token id -> chunks (dicts) or an exception to raise
         self.closed: list[int] = []
         self.cancelled: list[int] = []
-        self.announced: list[bool] = []  # each stream's announce flag
 
-    async def stream(self, gen: dict[str, Any], announce: bool = False) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, gen: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         key = gen["token_ids"][0]
-        self.announced.append(announce)
         try:
-            if announce:  # as the Engine: before it has even checked the request
-                yield dict(ENGINE_RECEIVED)
             for item in self.outputs[key]:
                 await asyncio.sleep(0)
                 if isinstance(item, Exception):
@@ -187,7 +182,7 @@ def test_merge_interleaves_and_tags_streams():
 
 def test_an_engine_without_a_first_chunk_in_time_is_a_504_and_its_stream_is_closed(plain):
     class Stuck(FakeEngine):
-        async def stream(self, gen, announce=False):
+        async def stream(self, gen):
             try:
                 await asyncio.sleep(3600)
                 yield {}
@@ -264,46 +259,3 @@ def test_each_composed_request_reports_its_stages_before_the_response(plain):
     with pytest.raises(BadRequestError):
         asyncio.run(service(refused, [[1]]).chat({**chat, "stream": True}))
     assert heard == [("chat", "render")]
-
-
-def test_the_chat_derender_opens_while_the_engine_prefills(plain):
-    """A chat stream asks the engine to announce it has the request, and builds its derender (with
-    parsers: vLLM's, ~1 ms) then, as ``vllm serve`` builds its parsers while its engine prefills, not
-    after the first chunk; completions do not ask. A derender that fails to open fails as before: at
-    the first chunk, in-band."""
-    events: list[str] = []
-
-    class Engine(FakeEngine):
-        async def stream(self, gen, announce=False):
-            async for item in super().stream(gen, announce):
-                if "choices" in item:
-                    events.append("first chunk" if "first chunk" not in events else "chunk")
-                yield item
-
-    class Derender:
-        def __init__(self, fail: bool = False) -> None:
-            self.fail = fail
-
-        def open_chat_stream(self, *args: Any) -> Any:
-            events.append("open")
-            if self.fail:
-                raise BadRequestError("no derender for this")
-            return plain.open_chat_stream(*args)
-
-    body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
-    engine = Engine({1: [_chunk(HELLO[:2]), _chunk(HELLO[2:], "length")]})
-    service = _service(plain, engine, [[1]])
-    service.chat_derender = Derender()  # type: ignore[assignment]
-    chunks = asyncio.run(_stream(service.chat(body)))
-    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "Hello! world"
-    assert events == ["open", "first chunk", "chunk"] and engine.announced == [True]
-
-    events.clear()
-    service.chat_derender = Derender(fail=True)  # type: ignore[assignment]
-    chunks = asyncio.run(_stream(service.chat(body)))
-    assert events == ["open", "first chunk", "open"]  # tried at the announcement, then at the chunk
-    assert len(chunks) == 1 and chunks[0]["error"]["code"] == 400
-
-    completions = FakeEngine({1: [_chunk(HELLO, "length")]})
-    asyncio.run(_stream(_service(plain, completions, [[1]]).completion({"prompt": "a", "stream": True})))
-    assert completions.announced == [False]

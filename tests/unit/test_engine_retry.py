@@ -18,7 +18,6 @@ from serve_app.config import AppArgs
 from serve_app.derender.plain import build_plain_service
 from serve_app.errors import ServiceUnavailableError, envelope
 from serve_app.health import replica_gone
-from serve_app.wire import ENGINE_RECEIVED
 
 HELLO = [9707, 0, 1879]  # "Hello" "!" " world"
 EOS = 151645
@@ -33,11 +32,10 @@ def plain():
 
 class Replicas:
     """Engine replicas as a router sees them: each call goes to the next live one; a dead one raises
-    what Ray raises for it (``died_with``): at once, after the first chunk (``cut``), or after the
-    stream's :data:`~serve_app.wire.ENGINE_RECEIVED` (``received``: it died while prefilling)."""
+    what Ray raises for it (``died_with``), and ``cut_after`` chunks into a stream for ``cut``."""
 
-    def __init__(self, dead: int, died_with: type[Exception] = ActorDiedError, cut: bool = False, received: bool = False) -> None:
-        self.dead, self.died_with, self.cut, self.received = dead, died_with, cut, received
+    def __init__(self, dead: int, died_with: type[Exception] = ActorDiedError, cut: bool = False) -> None:
+        self.dead, self.died_with, self.cut = dead, died_with, cut
         self.calls: list[int] = []  # which replica each call reached (0 .. dead-1 are dead)
 
     def _route(self) -> int:
@@ -53,12 +51,8 @@ class Replicas:
             raise self._error()
         return json.dumps({"request_id": "e", "choices": [{"index": 0, "token_ids": HELLO, "finish_reason": "length"}]}).encode()
 
-    async def stream(self, gen: dict[str, Any], announce: bool = False) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, gen: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         dead = self._route() < self.dead
-        if dead and not (self.cut or self.received and announce):
-            raise self._error()
-        if announce:
-            yield dict(ENGINE_RECEIVED)
         if dead and not self.cut:
             raise self._error()
         yield {"request_id": "e", "choices": [{"index": 0, "token_ids": HELLO[:1], "finish_reason": None}]}
@@ -104,14 +98,6 @@ def test_a_stream_whose_replica_died_before_its_first_chunk_goes_to_another(plai
     engine = Replicas(dead=1)
     chunks = asyncio.run(_collect(_service(plain, engine, prompts=2).completion({"prompt": ["a", "b"], "stream": True})))
     assert not [c for c in chunks if "error" in c] and engine.calls == [0, 1, 2, 3]  # both prompts opened again
-
-
-def test_a_stream_whose_replica_died_after_taking_it_goes_to_another(plain):
-    """The engine said it had the request (the chat derender opens then) and died before its first
-    chunk: the stream is opened again on another replica, and reads as if nothing happened."""
-    engine = Replicas(dead=1, received=True)
-    chunks = asyncio.run(_collect(_service(plain, engine).chat({**CHAT, "stream": True})))
-    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "Hello! world" and engine.calls == [0, 1]
 
 
 def test_every_prompt_of_a_completion_is_retried_on_its_own(plain):
