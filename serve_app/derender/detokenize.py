@@ -19,6 +19,11 @@ vLLM's next emission from it would be the same as from the longer one, except pa
 ``_MAX_HELD`` pieces: SentencePiece's byte fallback turns a whole run of byte tokens into U+FFFD
 when any byte of it is invalid, so valid characters more than 64 tokens into such a run come out
 as themselves here and as U+FFFD from vLLM.
+
+With a byte-level decoder (Qwen, DeepSeek, Llama 3) the common token, a piece of whole characters
+arriving with nothing held back, adds its own memoised text and becomes the window, without decoding
+the window twice: the texts and windows are those of the full algorithm, which every other token
+still takes (tests/unit/test_detokenize.py checks both against each other).
 """
 
 from __future__ import annotations
@@ -68,8 +73,16 @@ def detokenize_delta(
     vocab_size = tok.vocab_size
     special = tok.special_ids if skip_special_tokens else ()
     to_string = tok.tokens_to_string
+    whole_text = tok.whole_text if tok.byte_level else None
     parts: list[str] = []
     for tid in delta_ids:
+        # Byte-level fast path, the common token: a piece that is whole characters on its own starts
+        # with no continuation byte, so with nothing held back vLLM's two window decodes differ by
+        # exactly its text (even after an unfinished character), and the window becomes the piece alone.
+        if whole_text is not None and read == len(prev) and tid not in special and (text := whole_text(tid)) is not None:
+            parts.append(text)
+            prev, prefix, read = [tok.piece(tid) or ""], 0, 1
+            continue
         if 0 <= tid < vocab_size:
             if tid in special:
                 new: list[str] = []

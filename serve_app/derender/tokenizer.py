@@ -29,14 +29,32 @@ class DetokTokenizer:
         # id -> vocab piece, looked up per generated token; a list index beats a Rust call.
         self._pieces: list[str | None] = [self._tok.id_to_token(i) for i in range(self.vocab_size)]
         self.piece_set = frozenset(p for p in self._pieces if p is not None)
-        self.space_marker = _metaspace_replacement(json.loads(path.read_text(encoding="utf-8")))
+        config = json.loads(path.read_text(encoding="utf-8"))
+        self.space_marker = _metaspace_replacement(config)
         self._single: dict[str, str] = {}
+        # A byte-level decoder turns each piece into its bytes and decodes their concatenation, so a
+        # piece whose bytes are whole characters adds exactly its own text to any decode that ends on
+        # a whole character (:meth:`whole_text`). Others (SentencePiece's Strip, byte fallback) do not.
+        self.byte_level = (config.get("decoder") or {}).get("type") == "ByteLevel"
+        self._whole: dict[int, str | None] = {}
 
     def piece(self, token_id: int) -> str | None:
         """The vocab piece of ``token_id``; ``None`` outside the vocabulary (as ``id_to_token``)."""
         if 0 <= token_id < self.vocab_size:
             return self._pieces[token_id]
         return None
+
+    def whole_text(self, token_id: int) -> str | None:
+        """The text of ``token_id``'s piece if the decoder is byte-level and the piece decodes on its
+        own to whole characters (non-empty, no U+FFFD); else ``None``. Memoised (bounded by vocab)."""
+        if token_id in self._whole:
+            return self._whole[token_id]
+        piece = self.piece(token_id)
+        text = self.tokens_to_string([piece]) if self.byte_level and piece else None
+        if not text or "\ufffd" in text:
+            text = None
+        self._whole[token_id] = text
+        return text
 
     def convert_ids_to_tokens(self, ids: Sequence[int], skip_special_tokens: bool = False) -> list[str | None]:
         special = self.special_ids if skip_special_tokens else ()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from serve_app.config import AppArgs
-from serve_app.derender.detokenize import DetokWindow, detokenize_delta
+from serve_app.derender.detokenize import DetokWindow, detokenize_delta, seed_window
 from serve_app.derender.tokenizer import DetokTokenizer
 
 
@@ -118,3 +118,48 @@ def test_a_long_run_of_ids_past_the_vocabulary_stops_growing_the_window(model):
     # As vLLM: byte-level pieces join across the empty ones; SentencePiece's byte fallback breaks the run there.
     byte_fallback = tok.piece(byte_id[0xF0]) == "<0xF0>"
     assert text == ("\ufffd" * 4 if byte_fallback else "😀") + " world"
+
+
+def _slow_twin(tok: DetokTokenizer) -> DetokTokenizer:
+    """The same tokenizer without the byte-level fast path: every token decodes its window twice."""
+    twin = DetokTokenizer.__new__(DetokTokenizer)
+    twin.__dict__.update(vars(tok))
+    twin.byte_level = False
+    return twin
+
+
+def test_the_byte_level_fast_path_gives_the_texts_and_windows_of_the_full_algorithm(model):
+    """Whole-character pieces skip the window's two decodes; mixed with byte runs, pieces that are not
+    UTF-8 alone, special tokens (skipped or not), ids past the vocabulary and seeded windows, every
+    chunk's text and carried window (vLLM's ``stream_state``) equal the full algorithm's."""
+    import random
+
+    tok, byte_id, world = model
+    slow = _slow_twin(tok)
+    assert tok.byte_level == (tok.piece(world) == "Ġworld") and not slow.byte_level
+    rng = random.Random(7)
+    specials = sorted(tok.special_ids)
+    kinds = [
+        lambda: rng.randrange(tok.vocab_size),  # any piece, whole or not
+        lambda: world,
+        lambda: byte_id[rng.choice([0x80, 0xE4, 0xF0, 0x9F, 0xBD, 0xFF, 0x41, 0x20])],
+        lambda: rng.choice(specials),
+        lambda: tok.vocab_size + rng.randrange(3),
+    ]
+    fast_tokens = 0
+    for case in range(300):
+        ids = [rng.choices(kinds, weights=[8, 4, 3, 1, 1])[0]() for _ in range(rng.randrange(1, 120))]
+        skip = case % 2 == 0
+        prompt = [rng.choices(kinds[:3], weights=[4, 1, 4])[0]() for _ in range(rng.randrange(0, 9))]  # may end mid-character
+        windows = {"fast": seed_window(tok, prompt, skip), "slow": seed_window(slow, prompt, skip)}
+        i = 0
+        while i < len(ids):
+            n = rng.choice([1, 1, 2, 3, 17, 200])
+            got = {}
+            for name, t in (("fast", tok), ("slow", slow)):
+                got[name], windows[name] = detokenize_delta(t, ids[i : i + n], windows[name], skip)
+            assert got["fast"] == got["slow"], (case, i)
+            assert windows["fast"] == windows["slow"], (case, i)
+            i += n
+        fast_tokens += sum(tok.whole_text(t) is not None for t in ids)
+    assert fast_tokens > 1000 if tok.byte_level else fast_tokens == 0
