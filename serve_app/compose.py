@@ -98,14 +98,15 @@ class CompletionDerender(Protocol):
 class Stages:
     """Render and the engine as async callables (deployment handles, or in-process services).
 
-    ``render_chat(body, request_id) -> bytes``: the ``GenerateRequest`` JSON; ``render_completion``:
-    a JSON list of them. ``generate(request) -> bytes``: the ``GenerateTokensResponse`` JSON.
-    ``generate_stream(request)``: an async iterator of ``GenerateTokensStreamResponse`` dicts whose
-    ``aclose()`` cancels the engine request.
+    ``render_chat(body, request_id) -> bytes``: the ``GenerateRequest`` JSON, from the request's raw
+    JSON bytes where the caller has them, else its dict; ``render_completion``: a JSON list of them.
+    ``generate(request) -> bytes``: the ``GenerateTokensResponse`` JSON. ``generate_stream(request)``:
+    an async iterator of ``GenerateTokensStreamResponse`` dicts whose ``aclose()`` cancels the engine
+    request.
     """
 
-    render_chat: Callable[[dict[str, Any], str | None], Awaitable[bytes]]
-    render_completion: Callable[[dict[str, Any], str | None], Awaitable[bytes]]
+    render_chat: Callable[[bytes | dict[str, Any], str | None], Awaitable[bytes]]
+    render_completion: Callable[[bytes | dict[str, Any], str | None], Awaitable[bytes]]
     generate: Callable[[dict[str, Any]], Awaitable[bytes]]
     generate_stream: Callable[[dict[str, Any]], AsyncGenerator[dict[str, Any], None]]
     # Whether render / the engine still has a replica a waiting call can reach (None: always).
@@ -217,17 +218,24 @@ class ComposedService:
 
     # --- chat -----------------------------------------------------------------------------------
 
-    async def chat(self, body: dict[str, Any], request_id: str | None = None) -> bytes | AsyncGenerator[dict[str, Any], None]:
+    async def chat(
+        self, body: dict[str, Any], request_id: str | None = None, raw: bytes | None = None
+    ) -> bytes | AsyncGenerator[dict[str, Any], None]:
         """``/v1/chat/completions``: the response JSON bytes, or (``stream``) an iterator of the chunk
         dicts (:func:`serve_app.streaming.sse_stream` frames them), ending with vLLM's in-band error
         dict if the stream fails once started.
+
+        ``raw``: the JSON bytes ``body`` was parsed from (HTTP), rendered as they came: render sees the
+        body's size, so a small request's template runs on the event loop instead of a thread hop
+        (:func:`serve_app.render._template_is_light`), and a Render replica gets one bytes copy.
 
         Raises:
             ApiError: render or engine rejected the request (before any chunk).
         """
         stream = stream_flag(body)
         start = time.perf_counter()
-        rendered = await within(self.stages.render_chat(body, request_id), self.render_timeout_s, "Render", self.stages.render_routable)
+        rendering = self.stages.render_chat(body if raw is None else raw, request_id)
+        rendered = await within(rendering, self.render_timeout_s, "Render", self.stages.render_routable)
         self._took("chat", "render", start)
         self._engine_reachable()
         gen = _no_detokenize(load_answer(rendered))
@@ -272,11 +280,14 @@ class ComposedService:
 
     # --- completions ----------------------------------------------------------------------------
 
-    async def completion(self, body: dict[str, Any], request_id: str | None = None) -> bytes | AsyncGenerator[dict[str, Any], None]:
-        """``/v1/completions``: every prompt rendered, generated concurrently, derendered together."""
+    async def completion(
+        self, body: dict[str, Any], request_id: str | None = None, raw: bytes | None = None
+    ) -> bytes | AsyncGenerator[dict[str, Any], None]:
+        """``/v1/completions``: every prompt rendered, generated concurrently, derendered together
+        (``raw`` as for :meth:`chat`)."""
         stream = stream_flag(body)
         start = time.perf_counter()
-        rendering = self.stages.render_completion(body, request_id)
+        rendering = self.stages.render_completion(body if raw is None else raw, request_id)
         rendered = await within(rendering, self.render_timeout_s, "Render", self.stages.render_routable)
         self._took("completion", "render", start)
         self._engine_reachable()

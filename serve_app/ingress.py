@@ -398,16 +398,17 @@ class Ingress:
     async def _composed(
         self,
         request: Request,
-        compose: Callable[[dict[str, Any], str | None], Awaitable[bytes | AsyncGenerator[dict[str, Any], None]]],
+        compose: Callable[[dict[str, Any], str | None, bytes], Awaitable[bytes | AsyncGenerator[dict[str, Any], None]]],
         render: RenderMethod,
     ) -> Response:
         self._require_engine()
         check_json_content_type(request.headers.get("content-type"))
-        body = load_body(await request.body())
+        raw = await request.body()
+        body = load_body(raw)
         if not isinstance(body, dict):  # the render stage words the 400 exactly as vLLM
             await getattr(self.stages.render, render).remote(body)
         self._fail_fast(self.stages.render)  # the engine's is checked after render (ComposedService)
-        out = await compose(body, request.headers.get("x-request-id"))
+        out = await compose(body, request.headers.get("x-request-id"), raw)
         if isinstance(out, (bytes, bytearray)):
             return Response(out, media_type="application/json")
         return await sse_response(sse_stream(metrics.timed(out, request.scope)))

@@ -228,6 +228,30 @@ def test_composed_chat_awaits_the_chat_derenders_async_twin(plain):
     assert json.loads(out)["choices"][0]["message"]["content"] == "Hello! world" and derender.calls == 1
 
 
+def test_render_gets_the_raw_body_when_the_caller_has_it(plain):
+    """The HTTP routes hand render the request's JSON bytes (its size lets a small chat's template run
+    on the event loop, tests/unit/test_render.py); a caller by handle, with a dict only, hands the dict."""
+    engine = FakeEngine({1: {"request_id": "e", "choices": [{"index": 0, "token_ids": HELLO, "finish_reason": "length"}]}})
+    service = _service(plain, engine, [[1]])
+    seen: list[object] = []
+
+    def recording(render):
+        async def call(body, rid):
+            seen.append(body)
+            return await render(body if isinstance(body, dict) else json.loads(body), rid)
+        return call
+
+    service.stages.render_chat = recording(service.stages.render_chat)
+    service.stages.render_completion = recording(service.stages.render_completion)
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    raw = json.dumps(chat).encode()
+    for out in (asyncio.run(service.chat(chat, None, raw)), asyncio.run(service.chat(chat))):
+        assert json.loads(out)["choices"][0]["message"]["content"] == "Hello! world"
+    completion = {"prompt": "x"}
+    asyncio.run(service.completion(completion, "r", json.dumps(completion).encode()))
+    assert seen == [raw, chat, json.dumps(completion).encode()]
+
+
 def test_each_composed_request_reports_its_stages_before_the_response(plain):
     """``observe`` (the Ingress's serve_app_composed_stage_seconds) hears each request's render, then
     its engine time: to the first chunk for a stream, the whole generation otherwise; a request the
