@@ -46,7 +46,10 @@ class DetokTokenizer:
 
     def whole_text(self, token_id: int) -> str | None:
         """The text of ``token_id``'s piece if the decoder is byte-level and the piece decodes on its
-        own to whole characters (non-empty, no U+FFFD); else ``None``. Memoised (bounded by vocab)."""
+        own to whole characters (non-empty, no U+FFFD); else ``None``. Memoised for vocabulary ids only,
+        so ids a client makes up cannot grow it."""
+        if not 0 <= token_id < self.vocab_size:
+            return None
         if token_id in self._whole:
             return self._whole[token_id]
         piece = self.piece(token_id)

@@ -163,3 +163,6 @@ def test_the_byte_level_fast_path_gives_the_texts_and_windows_of_the_full_algori
             i += n
         fast_tokens += sum(tok.whole_text(t) is not None for t in ids)
     assert fast_tokens > 1000 if tok.byte_level else fast_tokens == 0
+    # Ids past the vocabulary (a client's to choose) are not memoised: the memo stays within the vocabulary.
+    detokenize_delta(tok, range(tok.vocab_size, tok.vocab_size + 5000), DetokWindow(), True)
+    assert len(tok._whole) <= tok.vocab_size and all(0 <= i < tok.vocab_size for i in tok._whole)
