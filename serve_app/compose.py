@@ -225,8 +225,8 @@ class ComposedService:
         dicts (:func:`serve_app.streaming.sse_stream` frames them), ending with vLLM's in-band error
         dict if the stream fails once started.
 
-        ``raw``: the JSON bytes ``body`` was parsed from (HTTP), rendered as they came: render sees the
-        body's size, so a small request's template runs on the event loop instead of a thread hop
+        ``raw``: the JSON bytes ``body`` was parsed from (HTTP), rendered as they came: render reads the
+        body's size from them instead of writing the dict out again to judge where its template runs
         (:func:`serve_app.render._template_is_light`), and a Render replica gets one bytes copy.
 
         Raises:

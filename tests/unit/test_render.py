@@ -121,7 +121,8 @@ class TestTemplateRoles:
 def test_small_bodies_apply_the_template_on_the_event_loop_others_in_vllms_pool(loop, monkeypatch):
     """A chat render whose body is at most ``INLINE_TEMPLATE_BYTES`` runs Jinja on the event loop
     (no hop to vLLM's renderer pool); a bigger body, more than ``INLINE_TEMPLATE_MESSAGES`` messages,
-    or a template the request brings, still runs in the pool. Where it ran changes nothing in the answer."""
+    or a template the request brings, still runs in the pool. The same holds for a handle caller's
+    dict, judged by its size in JSON. Where it ran changes nothing in the answer."""
     import threading
 
     from serve_app.render import INLINE_TEMPLATE_BYTES, INLINE_TEMPLATE_MESSAGES
@@ -142,11 +143,31 @@ def test_small_bodies_apply_the_template_on_the_event_loop_others_in_vllms_pool(
     own = {**small, "chat_template": tokenizer.chat_template}
     many = {"messages": [{"role": ("user", "assistant")[i % 2], "content": "a"} for i in range(INLINE_TEMPLATE_MESSAGES + 1)]}
     answers = {}
-    for name, body in (("small", small), ("big", big), ("own", own), ("many", many)):
-        threads.clear()
-        answers[name] = json.loads(loop.run_until_complete(service.chat(json.dumps(body).encode())))
-        assert len(threads) == 1, threads
-        on_loop = threads[0] == threading.current_thread().name
-        assert on_loop is (name == "small"), (name, threads)
-    assert answers["small"]["token_ids"] == answers["big"]["token_ids"] == answers["own"]["token_ids"]
-    assert len(answers["many"]["token_ids"]) > INLINE_TEMPLATE_MESSAGES
+    for as_dict in (False, True):
+        for name, body in (("small", small), ("big", big), ("own", own), ("many", many)):
+            threads.clear()
+            sent = body if as_dict else json.dumps(body).encode()
+            answers[name, as_dict] = json.loads(loop.run_until_complete(service.chat(sent)))
+            assert len(threads) == 1, threads
+            on_loop = threads[0] == threading.current_thread().name
+            assert on_loop is (name == "small"), (name, as_dict, threads)
+    ids = {key: answer["token_ids"] for key, answer in answers.items()}
+    assert ids["small", False] == ids["big", False] == ids["own", False] == ids["small", True] == ids["big", True]
+    assert ids["many", True] == ids["many", False] and len(ids["many", True]) > INLINE_TEMPLATE_MESSAGES
+
+
+def test_a_rendered_request_is_written_as_its_whole_model_dump(render, loop, monkeypatch):
+    """The answer leaves the token ids out of ``model_dump`` and writes the validated list in its place:
+    the bytes are those of the whole dump as vLLM's route writes it (``json.dumps``)."""
+    from serve_app import render as render_module
+    from serve_app.wire import dump_json
+
+    rendered = []
+    answer_json = render_module._generate_request_json
+    monkeypatch.setattr(render_module, "_generate_request_json", lambda g: rendered.append(g) or answer_json(g))
+    body = {"messages": [{"role": "user", "content": "hello " * 200}], "max_tokens": 16, "seed": 3}
+    answer = loop.run_until_complete(render.chat(json.dumps(body).encode(), "r1"))
+    (request,) = rendered
+    assert answer == answer_json(request) and len(request.token_ids) >= 64  # the list orjson writes
+    whole = render_module._always_emit_max_tokens(request, request.model_dump())
+    assert answer == dump_json(whole)
