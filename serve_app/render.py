@@ -79,21 +79,24 @@ def _always_emit_max_tokens(generate_request: Any, dumped: dict[str, Any]) -> di
     return dumped
 
 
-def _generate_request_json(generate_request: Any) -> bytes:
-    """A rendered ``GenerateRequest`` as vLLM's route writes it (:func:`serve_app.wire.dump_json_ids`).
-
-    The token ids, most of the answer, are not dumped: ``model_dump`` would copy the validated list
-    id by id (~80 us at 6k ids) into an equal one. The list itself goes where ``model_dump`` puts it:
-    the declared fields in order (then any extra ones, which vLLM 0.32's model does not take)."""
-    rest = generate_request.model_dump(exclude={"token_ids"})
+def _dump_keeping(model: Any, key: str) -> dict[str, Any]:
+    """``model.model_dump()``, but ``model.<key>`` (token ids, most of an answer) is the validated list
+    itself: dumping would copy it id by id (~80 us at 6k ids) into an equal one. Same keys in the same
+    order as ``model_dump``: the declared fields, then any extra ones."""
+    rest = model.model_dump(exclude={key})
     dumped = {}
-    for name in type(generate_request).model_fields:
-        if name == "token_ids":
-            dumped[name] = generate_request.token_ids
+    for name in type(model).model_fields:
+        if name == key:
+            dumped[name] = getattr(model, key)
         elif name in rest:
             dumped[name] = rest.pop(name)
     dumped.update(rest)
-    return dump_json_ids(_always_emit_max_tokens(generate_request, dumped), "token_ids")
+    return dumped
+
+
+def _generate_request_json(generate_request: Any) -> bytes:
+    """A rendered ``GenerateRequest`` as vLLM's route writes it (:func:`serve_app.wire.dump_json_ids`)."""
+    return dump_json_ids(_always_emit_max_tokens(generate_request, _dump_keeping(generate_request, "token_ids")), "token_ids")
 
 
 INLINE_TEMPLATE_BYTES = 1 << 15
@@ -219,7 +222,7 @@ class RenderService:
     async def tokenize(self, body: bytes, request_id: str | None = None) -> bytes:
         tokenization = self.state.serving_tokenization
         out = await self._run(self._tokenize, tokenization.create_tokenize, body, RawRequest.with_request_id(request_id))
-        return dump_json_ids(out.model_dump(), "tokens")
+        return dump_json_ids(_dump_keeping(out, "tokens"), "tokens")
 
     async def detokenize(self, body: bytes, request_id: str | None = None) -> bytes:
         tokenization = self.state.serving_tokenization

@@ -171,3 +171,20 @@ def test_a_rendered_request_is_written_as_its_whole_model_dump(render, loop, mon
     assert answer == answer_json(request) and len(request.token_ids) >= 64  # the list orjson writes
     whole = render_module._always_emit_max_tokens(request, request.model_dump())
     assert answer == dump_json(whole)
+
+
+def test_a_model_keeping_its_ids_dumps_as_model_dump_extra_fields_last():
+    """``_dump_keeping`` (render answers, ``/tokenize``): the same keys, order and values as ``model_dump``,
+    extra fields (vLLM's OpenAI models allow them) after the declared ones, the id list itself kept."""
+    from vllm.entrypoints.serve.tokenize.protocol import TokenizeResponse
+
+    from serve_app.render import _dump_keeping
+    from serve_app.wire import dump_json
+
+    tokens = list(range(100))
+    for extra in ({}, {"z_extra": [1, 2], "a_extra": "x"}):
+        response = TokenizeResponse(count=100, max_model_len=4096, tokens=tokens, token_strs=["a"], **extra)
+        dumped = _dump_keeping(response, "tokens")
+        assert list(dumped) == list(response.model_dump()) and list(dumped)[len(dumped) - len(extra):] == list(extra)
+        assert dump_json(dumped) == dump_json(response.model_dump())
+        assert dumped["tokens"] is response.tokens
